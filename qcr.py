@@ -1,0 +1,2417 @@
+#!/usr/bin/env python3
+"""qcr.py -- a coding agent in one file, driven by an editor over the Agent Client Protocol.
+
+qcr reads and edits files, searches, runs shell commands and keeps a plan, using any
+OpenAI-compatible model server (a hosted API, or Ollama / llama.cpp / vLLM / LM Studio on
+your own machine). An editor such as Zed starts it as a child process and speaks ACP v1 to
+it: JSON-RPC 2.0, one JSON object per line, over stdin and stdout.
+
+Run it:
+    python3 qcr.py --acp            # serve ACP on stdin/stdout (what an editor runs)
+    python3 qcr.py --selftest       # prove it works: no model, no network needed
+    python3 qcr.py --help
+
+Reading guide -- the file reads top to bottom as a lesson in the protocol
+(`grep -n '^# [0-9]' qcr.py` prints the contents):
+    0. Header       constants: protocol version, JSON-RPC error codes, limits
+    1. Wire         JSON-RPC 2.0 over newline-delimited JSON: Connection, RpcError
+    2. ACP          the Agent class: one handler per ACP method, session/update builders
+    3. Sessions     Session records and SessionStore (one JSON file per session)
+    4. Providers    the OpenAI-compatible streaming client, SSE parsing, ProviderError
+    5. Tools        the tool registry and the tools: files, search, shell, planning
+    6. Agent loop   run_turn(): model -> tool calls -> permission -> results -> model ...
+    7. Config       Config and load_config(): file, environment, precedence
+    8. Self-test    a scripted model server and a client that drives `qcr.py --acp`
+    9. CLI          main()
+
+Files qcr writes (all under ~/.qcr/):
+    sessions/<sessionId>.json   each session, rewritten atomically after every step
+    qcr.log                     diagnostics (stdout is reserved for protocol frames)
+
+Security: qcr runs shell commands and changes files when the model asks. In the
+"default" mode every change and every command needs the user's approval first;
+"auto-edit" approves file changes but still asks before commands; "plan" refuses both.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import stat
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+__version__ = "0.1.0"
+
+PROTOCOL_VERSION = 1               # ACP major version; the only one qcr speaks
+
+# JSON-RPC 2.0 error codes, and the two that ACP adds.
+PARSE_ERROR = -32700               # the line was not JSON
+INVALID_REQUEST = -32600           # JSON, but not a request/notification/response object
+METHOD_NOT_FOUND = -32601          # no such method
+INVALID_PARAMS = -32602            # params missing or of the wrong type
+INTERNAL_ERROR = -32603            # a bug in qcr: the traceback goes to stderr
+REQUEST_CANCELLED = -32800         # the request was abandoned (shutdown)
+AUTH_REQUIRED = -32000             # ACP: the user must sign in first
+RESOURCE_NOT_FOUND = -32002        # ACP: e.g. an unknown session id
+
+MAX_FRAME_BYTES = 128 * 1024 * 1024    # longest accepted input line, bytes
+SHUTDOWN_GRACE = 1.5                   # seconds a running turn gets to wind down at EOF
+SESSION_ID_RE = re.compile(r"acp-[0-9a-f]{16}-[0-9a-f]{16}")
+
+MODES = [   # the session modes, in the order the editor lists them
+    {"id": "default", "name": "Default",
+     "description": "Ask before changing files or running commands"},
+    {"id": "plan", "name": "Plan",
+     "description": "Read-only: explore and plan; files and commands are off limits"},
+    {"id": "auto-edit", "name": "Auto-edit",
+     "description": "Change files without asking; still ask before running commands"},
+]
+MODE_IDS = [m["id"] for m in MODES]
+
+
+def log(message: str, *, error: bool = False) -> None:
+    """Write a diagnostic line to ~/.qcr/qcr.log; errors (bugs) also go to stderr.
+
+    In --acp mode stdout carries protocol frames only, and some clients show every
+    stderr line to the user as an error, so routine diagnostics go to the file alone.
+    """
+    line = time.strftime("%Y-%m-%d %H:%M:%S ") + message.rstrip() + "\n"
+    try:
+        home = os.path.join(os.path.expanduser("~"), ".qcr")
+        os.makedirs(home, exist_ok=True)
+        with open(os.path.join(home, "qcr.log"), "a", encoding="utf-8") as f:
+            f.write(line)
+    except OSError:
+        pass
+    if error:
+        sys.stderr.write(line)
+        sys.stderr.flush()
+
+
+# =============================================================================================
+# 1. Wire: JSON-RPC 2.0 over newline-delimited JSON
+# =============================================================================================
+#
+# Every message is one JSON object on one line. A *request* has an id and expects exactly one
+# *response* carrying the same id (echoed with its JSON type: Zed sends UUID strings, other
+# clients integers); a *notification* has no id and gets no answer. Both peers send requests:
+# the client asks the agent to run a prompt, the agent asks the client for permission while
+# that prompt runs. So the read loop never waits on a handler: each request runs as its own
+# task, and our own requests wait on futures that the read loop resolves by id.
+#
+#   -> {"jsonrpc":"2.0","id":"7f3a","method":"session/cancel"...}      client request
+#   <- {"jsonrpc":"2.0","id":"7f3a","result":{}}                          our response
+#   <- {"jsonrpc":"2.0","id":0,"method":"session/request_permission",...} our request
+
+class RpcError(Exception):
+    """A JSON-RPC error response: code, message and optional data."""
+
+    def __init__(self, code: int, message: str, data: Any = None):
+        super().__init__(message)
+        self.code, self.message, self.data = code, message, data
+
+    def to_dict(self) -> dict:
+        error = {"code": self.code, "message": self.message}
+        if self.data is not None:
+            error["data"] = self.data
+        return error
+
+    @classmethod
+    def parse_error(cls, detail: str) -> RpcError:
+        return cls(PARSE_ERROR, "Parse error: " + detail)
+
+    @classmethod
+    def invalid_request(cls, detail: str) -> RpcError:
+        return cls(INVALID_REQUEST, "Invalid request: " + detail)
+
+    @classmethod
+    def method_not_found(cls, method: str) -> RpcError:
+        return cls(METHOD_NOT_FOUND, "Method not found: " + method, {"method": method})
+
+    @classmethod
+    def invalid_params(cls, field_name: str, why: str) -> RpcError:
+        return cls(INVALID_PARAMS, f"Invalid params: {field_name} {why}", {"field": field_name})
+
+    @classmethod
+    def internal_error(cls, detail: str) -> RpcError:
+        return cls(INTERNAL_ERROR, "Internal error: " + detail)
+
+    @classmethod
+    def resource_not_found(cls, what: str, **data) -> RpcError:
+        return cls(RESOURCE_NOT_FOUND, "Resource not found: " + what, data or None)
+
+
+def encode_frame(message: dict) -> bytes:
+    """One message as one line. ASCII-only JSON cannot contain a raw newline or U+2028."""
+    return json.dumps(message, separators=(",", ":")).encode("ascii") + b"\n"
+
+
+def valid_id(value: Any) -> bool:
+    """JSON-RPC ids are strings, integers or null (booleans are not integers here)."""
+    return value is None or isinstance(value, str) or (
+        isinstance(value, int) and not isinstance(value, bool))
+
+
+class Connection:
+    """One JSON-RPC peer over a byte stream in and a frame writer out.
+
+    `on_request(method, params)` is awaited for each incoming request and its return value
+    becomes the result; `on_notification(method, params)` is called for notifications.
+    `request()` and `notify()` talk the other way. `send()` is the only code that writes
+    frames, and it writes each one whole, so frames never interleave.
+    """
+
+    def __init__(self, write: Callable[[bytes], None], on_request, on_notification,
+                 trace: Optional[Callable[[str, bytes], None]] = None):
+        self.write, self.trace = write, trace
+        self.on_request, self.on_notification = on_request, on_notification
+        self.pending: dict = {}      # our request id -> future awaiting the peer's response
+        self.tasks: set = set()      # request handlers still running
+        self.next_id = 0
+
+    # -- writing ----------------------------------------------------------------------------
+    def send(self, message: dict) -> None:
+        frame = encode_frame(message)
+        if self.trace:
+            self.trace("<-", frame)
+        self.write(frame)
+
+    def notify(self, method: str, params: dict) -> None:
+        self.send({"jsonrpc": "2.0", "method": method, "params": params})
+
+    async def request(self, method: str, params: dict) -> Any:
+        """Send a request to the peer and wait for its result (RpcError on an error reply)."""
+        request_id, self.next_id = self.next_id, self.next_id + 1
+        future = asyncio.get_running_loop().create_future()
+        self.pending[request_id] = future
+        try:
+            self.send({"jsonrpc": "2.0", "id": request_id, "method": method, "params": params})
+            return await future
+        finally:
+            self.pending.pop(request_id, None)
+
+    def reply(self, request_id: Any, result: Any = None, error: Optional[RpcError] = None):
+        if error is not None:
+            self.send({"jsonrpc": "2.0", "id": request_id, "error": error.to_dict()})
+        else:
+            self.send({"jsonrpc": "2.0", "id": request_id,
+                       "result": {} if result is None else result})
+
+    # -- reading ----------------------------------------------------------------------------
+    async def serve(self, reader: asyncio.StreamReader) -> None:
+        """Read frames until EOF. One bad frame never ends the loop."""
+        while True:
+            try:
+                line = await reader.readline()
+            except ValueError:   # longer than the reader's limit; the reader dropped it
+                self.reply(None, error=RpcError.invalid_request(
+                    f"frame longer than {MAX_FRAME_BYTES} bytes"))
+                continue
+            if not line:
+                return
+            self.receive(line)
+
+    def receive(self, line: bytes) -> None:
+        """Classify one incoming line and route it: request, notification or response."""
+        if self.trace:
+            self.trace("->", line)
+        line = line.strip()
+        if not line:
+            return
+        try:
+            message = json.loads(line)
+        except (ValueError, RecursionError) as e:   # includes invalid UTF-8
+            return self.reply(None, error=RpcError.parse_error(str(e)[:200]))
+        if isinstance(message, list):
+            return self.reply(None, error=RpcError.invalid_request(
+                "batches are not supported by ACP"))
+        if not isinstance(message, dict):
+            return self.reply(None, error=RpcError.invalid_request("a frame must be an object"))
+        has_id, request_id = "id" in message, message.get("id")
+        if not valid_id(request_id):
+            return self.reply(None, error=RpcError.invalid_request(
+                "id must be a string, an integer or null"))
+        if message.get("jsonrpc") != "2.0":
+            return self.reply(request_id, error=RpcError.invalid_request('jsonrpc must be "2.0"'))
+        method = message.get("method")
+        if method is None and ("result" in message or "error" in message):
+            return self._resolve(message)
+        if not isinstance(method, str):
+            return self.reply(request_id, error=RpcError.invalid_request(
+                "method must be a string"))
+        params = message.get("params")
+        if not has_id:
+            return self._notification(method, params)
+        task = asyncio.ensure_future(self._answer(request_id, method, params))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _answer(self, request_id: Any, method: str, params: Any) -> None:
+        """Run one request handler and send its response -- the single error boundary."""
+        try:
+            if params is None:
+                params = {}
+            if not isinstance(params, dict):
+                raise RpcError.invalid_params("params", "must be an object")
+            result = await self.on_request(method, params)
+        except RpcError as e:
+            self.reply(request_id, error=e)
+        except asyncio.CancelledError:
+            self.reply(request_id, error=RpcError(REQUEST_CANCELLED, "Request cancelled"))
+        except Exception as e:
+            import traceback
+            log(f"handler for {method} crashed:\n{traceback.format_exc()}", error=True)
+            self.reply(request_id, error=RpcError.internal_error(f"{type(e).__name__}: {e}"))
+        else:
+            self.reply(request_id, result)
+
+    def _notification(self, method: str, params: Any) -> None:
+        try:
+            self.on_notification(method, params if isinstance(params, dict) else {})
+        except Exception:
+            import traceback
+            log(f"notification {method} failed:\n{traceback.format_exc()}", error=True)
+
+    def _resolve(self, message: dict) -> None:
+        future = self.pending.get(message.get("id"))
+        if future is None or future.done():
+            log(f"ignored a response to no request of ours: id={message.get('id')!r}")
+            return
+        error = message.get("error")
+        if error is not None:
+            error = error if isinstance(error, dict) else {}
+            future.set_exception(RpcError(error.get("code", INTERNAL_ERROR),
+                                          str(error.get("message", "error")), error.get("data")))
+        else:
+            future.set_result(message.get("result"))
+
+    def cancel_pending(self) -> None:
+        """Give up on every request we are still waiting on (used at shutdown)."""
+        for future in self.pending.values():
+            if not future.done():
+                future.cancel()
+
+
+# =============================================================================================
+# 2. ACP: the agent's side of the Agent Client Protocol
+# =============================================================================================
+#
+# The client (the editor) calls these methods; each handler below *is* one ACP method, and a
+# handler's name is its wire name with "/" turned into "_". The flow of a session:
+#
+#   initialize -> session/new -> session/prompt ... (session/cancel at any time) -> EOF
+#
+# While a prompt runs the agent streams `session/update` notifications: text and thought
+# chunks, tool calls and their updates, the plan. The prompt's response -- its stop reason --
+# comes last, after every update of the turn has been written.
+#
+#   <- {"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"acp-…","update":
+#       {"sessionUpdate":"agent_message_chunk","content":{"type":"text","text":"Hi"}}}}
+#   <- {"jsonrpc":"2.0","id":3,"result":{"stopReason":"end_turn"}}
+
+RPC_METHODS: dict = {}     # wire method name -> handler, filled by @rpc
+
+
+def rpc(method: str):
+    """Register an Agent method as the handler of an ACP request."""
+    def register(handler):
+        RPC_METHODS[method] = handler
+        return handler
+    return register
+
+
+# -- session/update builders, named after the sessionUpdate kinds ------------------------------
+
+def text_block(text: str) -> dict:
+    return {"type": "text", "text": text}
+
+
+def text_content(text: str) -> dict:
+    """Tool-call content: a content block wrapped as ToolCallContent."""
+    return {"type": "content", "content": text_block(text)}
+
+
+def diff_content(path: str, old_text: Optional[str], new_text: str) -> dict:
+    """Tool-call content the editor renders as a diff; old_text None means a new file."""
+    return {"type": "diff", "path": path, "oldText": old_text, "newText": new_text}
+
+
+def message_chunk(kind: str, text: str) -> dict:
+    """agent_message_chunk, agent_thought_chunk or user_message_chunk."""
+    return {"sessionUpdate": kind, "content": text_block(text)}
+
+
+def tool_call(call_id: str, title: str, kind: str, locations: list, raw_input: Any) -> dict:
+    return {"sessionUpdate": "tool_call", "toolCallId": call_id, "title": title, "kind": kind,
+            "status": "pending", "locations": locations, "rawInput": raw_input}
+
+
+def tool_call_update(call_id: str, **fields) -> dict:
+    return {"sessionUpdate": "tool_call_update", "toolCallId": call_id, **fields}
+
+
+def plan(entries: list) -> dict:
+    return {"sessionUpdate": "plan", "entries": entries}
+
+
+def current_mode_update(mode_id: str) -> dict:
+    return {"sessionUpdate": "current_mode_update", "currentModeId": mode_id}
+
+
+def config_option_update(options: list) -> dict:
+    return {"sessionUpdate": "config_option_update", "configOptions": options}
+
+
+def session_info_update(title: str, updated_at: str) -> dict:
+    return {"sessionUpdate": "session_info_update", "title": title, "updatedAt": updated_at}
+
+
+# -- reading params ----------------------------------------------------------------------------
+
+def need(params: dict, name: str, kind: type = str) -> Any:
+    """A required param of the given type, or -32602 naming it."""
+    value = params.get(name)
+    if value is None:
+        raise RpcError.invalid_params(name, "is required")
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise RpcError.invalid_params(name, "must be " + {str: "a string", list: "an array",
+                                                          dict: "an object"}.get(kind, "valid"))
+    return value
+
+
+def need_cwd(params: dict) -> str:
+    cwd = need(params, "cwd")
+    if not os.path.isabs(cwd):
+        raise RpcError.invalid_params("cwd", "must be an absolute path")
+    if not os.path.isdir(cwd):
+        raise RpcError.invalid_params("cwd", "is not an existing directory")
+    return os.path.normpath(cwd)
+
+
+def need_mcp_servers(params: dict) -> list:
+    """mcpServers is required by the schema; a missing list is taken as empty."""
+    servers = params.get("mcpServers", [])
+    if not isinstance(servers, list):
+        raise RpcError.invalid_params("mcpServers", "must be an array")
+    return servers
+
+
+def prompt_text(blocks: Any) -> str:
+    """Turn a prompt's content blocks into the text of one user message.
+
+    Text is kept as is; an embedded resource (an @-mention in Zed) is included with its URI;
+    a resource_link to a local file is read; other links are mentioned by URI.
+    """
+    if not isinstance(blocks, list):
+        raise RpcError.invalid_params("prompt", "must be an array of content blocks")
+    parts = []
+    for i, block in enumerate(blocks):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text":
+            text = block.get("text")
+            if not isinstance(text, str):
+                raise RpcError.invalid_params(f"prompt[{i}].text", "must be a string")
+            parts.append(text)
+        elif kind == "resource":
+            resource = block.get("resource")
+            if not isinstance(resource, dict) or not isinstance(resource.get("uri"), str):
+                raise RpcError.invalid_params(f"prompt[{i}].resource", "must have a uri")
+            if isinstance(resource.get("text"), str):
+                parts.append(f'\n<context uri="{resource["uri"]}">\n{resource["text"]}\n</context>')
+            else:
+                parts.append(f"\n[binary resource {resource['uri']} was attached; not shown]")
+        elif kind == "resource_link":
+            uri = block.get("uri")
+            if not isinstance(uri, str):
+                raise RpcError.invalid_params(f"prompt[{i}].uri", "must be a string")
+            parts.append(read_linked_file(uri))
+        elif kind in ("image", "audio"):
+            parts.append(f"\n[an {kind} was attached, but qcr sends text only to the model]")
+        else:
+            raise RpcError.invalid_params(f"prompt[{i}].type", f"is not a content type: {kind!r}")
+    return "".join(parts)
+
+
+def read_linked_file(uri: str) -> str:
+    """The text of a file:// link for the model, or a mention of any other link."""
+    if not uri.startswith("file://"):
+        return f"\n[link: {uri}]"
+    from urllib.parse import unquote, urlparse
+    path = unquote(urlparse(uri).path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(LINKED_FILE_BYTES + 1)
+    except OSError as e:
+        return f"\n[link to {path}: could not read it: {e.strerror}]"
+    if b"\0" in data[:8192]:
+        return f"\n[link to binary file {path}; not shown]"
+    text = data[:LINKED_FILE_BYTES].decode("utf-8", "replace")
+    more = "\n[... truncated; read the rest with ReadFile]" if len(data) > LINKED_FILE_BYTES else ""
+    return f'\n<context uri="{uri}">\n{text}{more}\n</context>'
+
+
+LINKED_FILE_BYTES = 256 * 1024      # most of a linked file that goes into a prompt
+
+
+class Agent:
+    """The ACP agent: the client's requests arrive here, one handler per method.
+
+    It owns the live sessions, the configuration and the connection to the client; the
+    agent loop (section 6) runs each prompt and reports through `update()`.
+    """
+
+    def __init__(self, config: Config, store: Optional[SessionStore] = None):
+        self.config = config
+        self.store = store or SessionStore(os.path.join(config.home, "sessions"))
+        self.conn: Optional[Connection] = None
+        self.client_capabilities: dict = {}
+        self.sessions: dict = {}
+
+    # -- routing ------------------------------------------------------------------------------
+    async def on_request(self, method: str, params: dict) -> Any:
+        handler = RPC_METHODS.get(method)
+        if handler is None:
+            raise RpcError.method_not_found(method)
+        return await handler(self, params)
+
+    def on_notification(self, method: str, params: dict) -> None:
+        if method == "session/cancel":
+            session = self.sessions.get(params.get("sessionId"))
+            if session is not None:
+                session.cancel()
+        # Anything else -- notifications/initialized, $/cancel_request, … -- is ignored.
+
+    def update(self, session: Session, update: dict) -> None:
+        """Send one session/update and keep it for replay on session/load."""
+        self.conn.notify("session/update", {"sessionId": session.id, "update": update})
+        session.record(update)
+
+    def session(self, params: dict) -> Session:
+        session_id = need(params, "sessionId")
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise RpcError.resource_not_found(f"no session {session_id}", sessionId=session_id)
+        return session
+
+    def save(self, session: Session) -> None:
+        session.updated = time.time()
+        self.store.save(session)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    @rpc("initialize")
+    async def initialize(self, params: dict) -> dict:
+        # Any protocolVersion is accepted -- 1, "1", or the pre-release date strings -- and
+        # the answer is always the one version qcr speaks; the client decides if it can.
+        if "protocolVersion" not in params:
+            raise RpcError.invalid_params("protocolVersion", "is required")
+        capabilities = params.get("clientCapabilities", params.get("capabilities"))
+        self.client_capabilities = capabilities if isinstance(capabilities, dict) else {}
+        return {
+            "protocolVersion": PROTOCOL_VERSION,
+            "agentCapabilities": {
+                "loadSession": True,
+                "promptCapabilities": {"image": False, "audio": False, "embeddedContext": True},
+                "mcpCapabilities": {"http": False, "sse": False},
+                "sessionCapabilities": {},
+            },
+            "authMethods": [],
+            "agentInfo": {"name": "qcr", "title": "qcr", "version": __version__},
+        }
+
+    @rpc("authenticate")
+    async def authenticate(self, params: dict) -> dict:
+        method_id = need(params, "methodId")
+        raise RpcError.invalid_params("methodId", f"names no auth method of qcr: {method_id!r}")
+
+    # -- sessions -----------------------------------------------------------------------------
+    @rpc("session/new")
+    async def session_new(self, params: dict) -> dict:
+        cwd, servers = need_cwd(params), need_mcp_servers(params)
+        session_id = f"acp-{os.urandom(8).hex()}-{os.urandom(8).hex()}"   # CSPRNG
+        session = Session(id=session_id, cwd=cwd, model=self.config.model, mcp_servers=servers)
+        self.sessions[session_id] = session
+        self.save(session)
+        return {"sessionId": session_id, "modes": self.modes(session),
+                "configOptions": self.config_options(session)}
+
+    @rpc("session/load")
+    async def session_load(self, params: dict) -> dict:
+        """Reopen a saved session, replaying everything the user saw before answering."""
+        session_id = need(params, "sessionId")
+        if not SESSION_ID_RE.fullmatch(session_id):
+            raise RpcError.invalid_params("sessionId", "is not a qcr session id")
+        cwd, servers = need_cwd(params), need_mcp_servers(params)
+        session = self.sessions.get(session_id)
+        if session is None:
+            session = await self.store.load(session_id)
+            self.sessions[session_id] = session
+        session.cwd, session.mcp_servers = cwd, servers
+        for update in session.replay():
+            self.conn.notify("session/update", {"sessionId": session.id, "update": update})
+        return {"modes": self.modes(session), "configOptions": self.config_options(session)}
+
+    # -- modes and configuration --------------------------------------------------------------
+    def modes(self, session: Session) -> dict:
+        return {"currentModeId": session.mode, "availableModes": MODES}
+
+    def models(self, session: Session) -> list:
+        models = list(self.config.models)
+        if session.model and session.model not in models:
+            models.insert(0, session.model)
+        return models
+
+    def config_options(self, session: Session) -> list:
+        """The mode and model selectors; Zed shows these and ignores `modes` when present."""
+        models = self.models(session) or ["(none)"]
+        return [
+            {"id": "mode", "name": "Mode", "category": "mode", "type": "select",
+             "currentValue": session.mode,
+             "options": [{"value": m["id"], "name": m["name"], "description": m["description"]}
+                         for m in MODES]},
+            {"id": "model", "name": "Model", "category": "model", "type": "select",
+             "currentValue": session.model or models[0],
+             "options": [{"value": m, "name": m} for m in models]},
+        ]
+
+    def set_mode(self, session: Session, mode_id: Any, field_name: str) -> None:
+        if mode_id not in MODE_IDS:
+            raise RpcError.invalid_params(field_name, f"must be one of {', '.join(MODE_IDS)}")
+        session.mode = mode_id
+        # Keep both views of the mode in sync, whichever one the client uses.
+        self.update(session, current_mode_update(mode_id))
+        self.update(session, config_option_update(self.config_options(session)))
+        self.save(session)
+
+    def set_model(self, session: Session, model: Any, field_name: str) -> None:
+        if model not in self.models(session):
+            raise RpcError.invalid_params(
+                field_name, f"must be one of {', '.join(self.models(session)) or '(none)'}")
+        session.model = model
+        self.update(session, config_option_update(self.config_options(session)))
+        self.save(session)
+
+    @rpc("session/set_mode")
+    async def session_set_mode(self, params: dict) -> dict:
+        self.set_mode(self.session(params), params.get("modeId"), "modeId")
+        return {}
+
+    @rpc("session/set_config_option")
+    async def session_set_config_option(self, params: dict) -> dict:
+        session, config_id = self.session(params), need(params, "configId")
+        if config_id == "mode":
+            self.set_mode(session, params.get("value"), "value")
+        elif config_id == "model":
+            self.set_model(session, params.get("value"), "value")
+        else:
+            raise RpcError.invalid_params("configId", "must be one of mode, model")
+        return {"configOptions": self.config_options(session)}
+
+    @rpc("session/set_model")
+    async def session_set_model(self, params: dict) -> dict:
+        """The older, unstable way to pick a model; still sent by some clients."""
+        self.set_model(self.session(params), params.get("modelId"), "modelId")
+        return {}
+
+    # -- prompts ------------------------------------------------------------------------------
+    @rpc("session/prompt")
+    async def session_prompt(self, params: dict) -> dict:
+        session = self.session(params)
+        if session.turn is not None and not session.turn.done():
+            raise RpcError.invalid_request(
+                f"session {session.id} is already running a turn; send session/cancel first")
+        text = prompt_text(params.get("prompt"))
+        session.cancelling = False
+        session.turn = asyncio.ensure_future(run_turn(self, session, text))
+        try:
+            stop_reason = await session.turn
+        except asyncio.CancelledError:
+            if not session.turn.cancelled():
+                raise
+            stop_reason = "cancelled"    # cancelled before the turn even started
+        return {"stopReason": stop_reason}
+
+    # -- shutdown -----------------------------------------------------------------------------
+    async def shutdown(self) -> None:
+        """At stdin EOF: cancel running turns, let them answer, stop children, save."""
+        turns = [s.turn for s in self.sessions.values() if s.turn and not s.turn.done()]
+        for session in self.sessions.values():
+            session.cancel()
+        if turns:
+            await asyncio.wait(turns, timeout=SHUTDOWN_GRACE)
+        if self.conn is not None:
+            self.conn.cancel_pending()
+            if self.conn.tasks:
+                await asyncio.wait(list(self.conn.tasks), timeout=0.3)
+        await asyncio.get_running_loop().run_in_executor(None, self.store.flush)
+
+
+# =============================================================================================
+# 3. Sessions: what a conversation is, and where it is kept
+# =============================================================================================
+#
+# A session holds two histories. `messages` is what the model sees (OpenAI chat shape: system
+# prompt excluded, rebuilt each turn). `transcript` is what the user saw: the session/update
+# payloads of every turn, with streamed chunks joined and each tool call merged with its
+# updates into its final state, so session/load can replay the thread as it looked live.
+# Each session is one JSON file in ~/.qcr/sessions, replaced atomically after every step.
+
+def iso_time(seconds: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
+
+
+@dataclass
+class Session:
+    id: str
+    cwd: str
+    mode: str = "default"
+    model: str = ""
+    title: str = ""
+    created: float = field(default_factory=time.time)
+    updated: float = field(default_factory=time.time)
+    messages: list = field(default_factory=list)       # the model's context
+    transcript: list = field(default_factory=list)     # the user's view, for replay
+    mcp_servers: list = field(default_factory=list)    # kept; connecting is not built yet
+    allowed: dict = field(default_factory=dict)        # "always" answers: key -> allow?
+    turn: Optional[asyncio.Future] = None              # the running prompt turn
+    cancelling: bool = False
+    _run: Optional[list] = None       # [kind, [texts]] of the chunk run being streamed
+    _tool_at: dict = field(default_factory=dict)       # tool call id -> transcript index
+
+    def cancel(self) -> None:
+        if self.turn is not None and not self.turn.done() and not self.cancelling:
+            self.cancelling = True
+            self.turn.cancel()
+
+    def record(self, update: dict) -> None:
+        """Keep one update for replay: chunks are joined, tool updates merged into the call."""
+        kind = update["sessionUpdate"]
+        if kind.endswith("_message_chunk") or kind == "agent_thought_chunk":
+            if self._run is not None and self._run[0] == kind:
+                self._run[1].append(update["content"]["text"])
+                return
+            self._close_run()
+            self._run = [kind, [update["content"]["text"]]]
+            return
+        self._close_run()
+        if kind == "tool_call":
+            self._tool_at[update["toolCallId"]] = len(self.transcript)
+            self.transcript.append(update)
+        elif kind == "tool_call_update":
+            at = self._tool_at.get(update["toolCallId"])
+            if at is not None:   # entries are replaced, never mutated: a save may be reading
+                merged = {**self.transcript[at], **update, "sessionUpdate": "tool_call"}
+                self.transcript[at] = merged
+        elif kind == "plan":
+            self.transcript.append(update)
+        # Mode, config, title and command updates are state, replayed from the session's fields.
+
+    def _close_run(self) -> None:
+        if self._run is not None:
+            kind, texts = self._run
+            self.transcript.append(message_chunk(kind, "".join(texts)))
+            self._run = None
+
+    def replay(self) -> list:
+        """The updates that rebuild the thread in a client that reopens this session."""
+        self._close_run()
+        updates = list(self.transcript)
+        if self.title:
+            updates.append(session_info_update(self.title, iso_time(self.updated)))
+        return updates
+
+    def to_json(self) -> dict:
+        self._close_run()
+        return {"version": 1, "sessionId": self.id, "cwd": self.cwd, "mode": self.mode,
+                "model": self.model, "title": self.title, "createdAt": iso_time(self.created),
+                "updatedAt": iso_time(self.updated), "created": self.created,
+                "updated": self.updated, "messages": list(self.messages),
+                "transcript": list(self.transcript)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Session:
+        session = cls(id=data["sessionId"], cwd=data["cwd"], mode=data.get("mode", "default"),
+                      model=data.get("model", ""), title=data.get("title", ""),
+                      created=data.get("created", time.time()),
+                      updated=data.get("updated", time.time()),
+                      messages=list(data.get("messages", [])),
+                      transcript=list(data.get("transcript", [])))
+        if session.mode not in MODE_IDS:
+            session.mode = "default"
+        for i, update in enumerate(session.transcript):
+            if update.get("sessionUpdate") == "tool_call":
+                session._tool_at[update["toolCallId"]] = i
+        return session
+
+
+class SessionStore:
+    """One JSON file per session under `root`, written off the event loop.
+
+    Writes go through a single worker thread, so they land in the order they were asked
+    for; each one is a temporary file, fsync, then rename -- a crash leaves the old file
+    or the new one, never half of one.
+    """
+
+    def __init__(self, root: str):
+        self.root = root
+        self._executor = None
+
+    def path(self, session_id: str) -> str:
+        if not SESSION_ID_RE.fullmatch(session_id):    # never a path outside root
+            raise RpcError.invalid_params("sessionId", "is not a qcr session id")
+        return os.path.join(self.root, session_id + ".json")
+
+    def save(self, session: Session) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="qcr-save")
+        snapshot = session.to_json()      # shallow copies: later appends don't race the write
+        self._executor.submit(self._write, self.path(session.id), snapshot)
+
+    def _write(self, path: str, data: dict) -> None:
+        try:
+            os.makedirs(self.root, exist_ok=True)
+            temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+            with open(temporary, "w", encoding="utf-8") as f:
+                json.dump(data, f, separators=(",", ":"))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(temporary, path)
+        except Exception as e:
+            log(f"could not save session to {path}: {e}", error=True)
+
+    def flush(self) -> None:
+        """Wait for every save asked for so far."""
+        if self._executor is not None:
+            self._executor.submit(lambda: None).result()
+
+    async def load(self, session_id: str) -> Session:
+        path = self.path(session_id)
+
+        def read() -> dict:
+            with open(path, encoding="utf-8") as f:
+                return json.load(f)
+        self.flush()
+        try:
+            data = await asyncio.get_running_loop().run_in_executor(None, read)
+            return Session.from_json(data)
+        except FileNotFoundError:
+            raise RpcError.resource_not_found(f"no saved session {session_id}",
+                                              sessionId=session_id) from None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise RpcError.internal_error(
+                f"session file {path} is damaged and cannot be loaded: {e}") from None
+
+
+# =============================================================================================
+# 4. Providers: streaming chat completions from an OpenAI-compatible server
+# =============================================================================================
+#
+# qcr POSTs to {baseUrl}/chat/completions with "stream": true and reads server-sent events:
+#
+#   data: {"choices":[{"index":0,"delta":{"content":"Hel"}}]}
+#   data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_1",
+#          "function":{"name":"ReadFile","arguments":"{\"pa"}}]}}]}
+#   data: [DONE]
+#
+# urllib blocks, so each request runs in a daemon thread that feeds an asyncio queue; the
+# agent loop consumes the queue and streams each delta to the client as it arrives. Cancel
+# shuts the socket down, which ends the thread's blocking read at once.
+
+class ProviderError(Exception):
+    """The model call failed; the message says what happened and how to fix it."""
+
+    def __init__(self, message: str, status: Optional[int] = None):
+        super().__init__(message)
+        self.status = status
+
+
+NOT_CONFIGURED = ("no model is configured. Point qcr at an OpenAI-compatible server: set "
+                  "OPENAI_BASE_URL (e.g. http://127.0.0.1:11434/v1 for Ollama) and "
+                  "OPENAI_MODEL, plus OPENAI_API_KEY for a hosted API -- in the agent's \"env\" "
+                  "in your editor settings, or in ~/.qcr/config.json (see the README).")
+
+
+def parse_sse(lines) -> Any:
+    """Yield the data of each server-sent event from an iterable of byte lines."""
+    data: list = []
+    for raw in lines:
+        line = raw.decode("utf-8", "replace").rstrip("\r\n")
+        if not line:
+            if data:
+                yield "\n".join(data)
+                data = []
+            continue
+        name, _, value = line.partition(":")
+        if name == "data":
+            data.append(value[1:] if value.startswith(" ") else value)
+    if data:
+        yield "\n".join(data)
+
+
+def takes_sampling_params(model: str) -> bool:
+    """o-series and codex models reject temperature/top_p."""
+    name = model.lower().rsplit("/", 1)[-1]
+    return not (re.match(r"o\d", name) or "codex" in name)
+
+
+@dataclass
+class Reply:
+    """One model reply as it streams in: text, thoughts, tool calls, why it stopped."""
+    parts: list = field(default_factory=list)
+    thoughts: list = field(default_factory=list)
+    calls: list = field(default_factory=list)       # [{"id", "name", "arguments"}]
+    finish: str = ""
+    usage: Optional[dict] = None
+    _slots: dict = field(default_factory=dict)      # stream index -> call
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def add_tool_delta(self, delta: Any) -> None:
+        """Assemble tool calls from deltas: by index, arguments arriving in pieces."""
+        if not isinstance(delta, dict):
+            return
+        index, call_id = delta.get("index"), delta.get("id")
+        function = delta.get("function") if isinstance(delta.get("function"), dict) else {}
+        slot = self._slots.get(index) if index is not None else (
+            self.calls[-1] if self.calls and not call_id else None)
+        if slot is None or (call_id and slot["id"] and call_id != slot["id"]):
+            slot = {"id": "", "name": "", "arguments": ""}   # a new call (or a reused index)
+            self.calls.append(slot)
+            self._slots[index] = slot
+        if isinstance(call_id, str) and call_id and not slot["id"]:
+            slot["id"] = call_id
+        if isinstance(function.get("name"), str) and function["name"] and not slot["name"]:
+            slot["name"] = function["name"]
+        arguments = function.get("arguments")
+        if isinstance(arguments, dict):        # some servers send the object itself
+            slot["arguments"] = json.dumps(arguments)
+        elif isinstance(arguments, str):
+            slot["arguments"] += arguments
+
+    def message(self) -> dict:
+        """The assistant message for the model's context."""
+        message: dict = {"role": "assistant", "content": self.text}
+        if self.calls:
+            for call in self.calls:
+                call["id"] = call["id"] or "call_" + os.urandom(6).hex()
+            message["tool_calls"] = [
+                {"id": c["id"], "type": "function",
+                 "function": {"name": c["name"], "arguments": c["arguments"] or "{}"}}
+                for c in self.calls]
+        return message
+
+
+class HttpStream:
+    """One streaming HTTP POST, read in a daemon thread into an asyncio queue.
+
+    Queue items: ("data", obj) per event, ("whole", obj) for a non-streamed answer,
+    ("error", ProviderError), and finally ("end", saw_done).
+    """
+
+    def __init__(self, url: str, headers: dict, body: bytes, timeout: float, base_url: str):
+        self.url, self.headers, self.body = url, headers, body
+        self.timeout, self.base_url = timeout, base_url
+        self.response = None
+        self.aborted = False
+
+    def start(self, queue: asyncio.Queue) -> None:
+        loop = asyncio.get_running_loop()
+
+        def put(kind: str, item: Any) -> None:
+            if not self.aborted:
+                loop.call_soon_threadsafe(queue.put_nowait, (kind, item))
+        threading.Thread(target=self._run, args=(put,), daemon=True, name="qcr-http").start()
+
+    def _run(self, put: Callable) -> None:
+        import urllib.error
+        import urllib.request
+        try:
+            request = urllib.request.Request(self.url, self.body, self.headers, method="POST")
+            self.response = response = urllib.request.urlopen(request, timeout=self.timeout)
+            if self.aborted:
+                return response.close()
+            if "text/event-stream" not in response.headers.get("Content-Type", ""):
+                return put("whole", json.loads(response.read()))  # stream was ignored
+            for data in parse_sse(response):
+                if data.strip() == "[DONE]":
+                    return put("end", True)
+                put("data", json.loads(data))
+            put("end", False)
+        except urllib.error.HTTPError as e:
+            put("error", http_error(e.code, e.read(4000) if e.fp else b"", self.base_url))
+        except ValueError as e:
+            put("error", ProviderError(f"the model server sent a malformed stream ({e})."))
+        except Exception as e:
+            if self.aborted:
+                return
+            reason = getattr(e, "reason", e)
+            put("error", ProviderError(
+                f"cannot reach the model server at {self.base_url} ({reason}). Is it running? "
+                "Check OPENAI_BASE_URL / baseUrl (see the README)."))
+
+    def abort(self) -> None:
+        """Stop reading: shut the socket so the thread's blocking read returns now."""
+        self.aborted = True
+        response = self.response
+        if response is not None:
+            import socket
+            try:
+                response.fp.raw._sock.shutdown(socket.SHUT_RDWR)
+            except Exception:
+                pass
+
+
+def http_error(status: int, body: bytes, base_url: str) -> ProviderError:
+    """A ProviderError for an HTTP error status, with the server's words and a fix."""
+    detail = body.decode("utf-8", "replace").strip()
+    try:
+        error = json.loads(detail).get("error")
+        detail = error.get("message", detail) if isinstance(error, dict) else str(error or detail)
+    except (ValueError, AttributeError):
+        pass
+    hint = {
+        400: "the server rejected the request (does this model support tool calls?)",
+        401: "the API key was refused: set OPENAI_API_KEY (or apiKey in ~/.qcr/config.json)",
+        403: "access denied: check the API key and that it may use this model",
+        404: f"not found: check the base URL ({base_url}; it usually ends in /v1) "
+             "and the model name",
+        429: "rate limited or out of quota: wait a moment and try again",
+    }.get(status, "the model server failed; try again" if status >= 500 else "request failed")
+    return ProviderError(f"the model server answered HTTP {status}: {detail[:500]} -- {hint}.",
+                         status)
+
+
+class OpenAIProvider:
+    """Chat completions over HTTP, streamed; the one provider qcr has so far."""
+
+    def __init__(self, config: Config, model: str):
+        self.config, self.model = config, model
+
+    def request_body(self, messages: list, tools: list) -> dict:
+        body: dict = {"model": self.model, "messages": messages, "stream": True,
+                      "stream_options": {"include_usage": True}}
+        if tools:
+            body["tools"] = tools
+        if self.config.temperature is not None and takes_sampling_params(self.model):
+            body["temperature"] = self.config.temperature
+        if self.config.max_tokens:
+            body["max_tokens"] = self.config.max_tokens
+        return body
+
+    async def stream(self, messages: list, tools: list, reply: Reply,
+                     emit: Callable[[str, str], None]) -> Reply:
+        """Stream one reply into `reply`, calling emit(kind, text) for each chunk."""
+        if not self.config.base_url or not self.model:
+            raise ProviderError(NOT_CONFIGURED)
+        headers = {"Content-Type": "application/json", "Accept": "text/event-stream",
+                   "User-Agent": f"qcr/{__version__}"}
+        if self.config.api_key:
+            headers["Authorization"] = "Bearer " + self.config.api_key
+        body = json.dumps(self.request_body(messages, tools)).encode()
+        url = self.config.base_url.rstrip("/") + "/chat/completions"
+        call = HttpStream(url, headers, body, self.config.request_timeout, self.config.base_url)
+        queue: asyncio.Queue = asyncio.Queue()
+        call.start(queue)
+        try:
+            while True:
+                kind, item = await queue.get()
+                if kind == "data":
+                    self.apply_chunk(item, reply, emit)
+                elif kind == "whole":
+                    self.apply_whole(item, reply, emit)
+                    break
+                elif kind == "error":
+                    raise item
+                else:
+                    if not item and not reply.finish:
+                        raise ProviderError("the model stream ended before the reply was "
+                                            "complete (the connection dropped); try again.")
+                    break
+        finally:
+            call.abort()
+        return reply
+
+    def apply_chunk(self, chunk: Any, reply: Reply, emit: Callable) -> None:
+        if not isinstance(chunk, dict):
+            return
+        if chunk.get("error"):
+            error = chunk["error"]
+            message = error.get("message") if isinstance(error, dict) else error
+            raise ProviderError(f"the model server reported an error mid-stream: {message}")
+        if isinstance(chunk.get("usage"), dict):
+            reply.usage = chunk["usage"]
+        for choice in chunk.get("choices") or []:
+            if not isinstance(choice, dict):
+                continue
+            delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+            thought = delta.get("reasoning_content") or delta.get("reasoning")
+            if isinstance(thought, str) and thought:
+                reply.thoughts.append(thought)
+                emit("agent_thought_chunk", thought)
+            content = delta.get("content")
+            if isinstance(content, str) and content:
+                reply.parts.append(content)
+                emit("agent_message_chunk", content)
+            for tool_delta in delta.get("tool_calls") or []:
+                reply.add_tool_delta(tool_delta)
+            if choice.get("finish_reason"):
+                reply.finish = str(choice["finish_reason"])
+
+    def apply_whole(self, completion: Any, reply: Reply, emit: Callable) -> None:
+        """A server that ignored "stream": one JSON completion, replayed as one delta."""
+        if not isinstance(completion, dict):
+            raise ProviderError("the model server sent an answer qcr cannot read.")
+        choices = []
+        for choice in completion.get("choices") or []:
+            message = choice.get("message") if isinstance(choice, dict) else None
+            if isinstance(message, dict):
+                calls = [dict(c, index=i) for i, c in enumerate(message.get("tool_calls") or [])
+                         if isinstance(c, dict)]
+                choices.append({"delta": dict(message, tool_calls=calls),
+                                "finish_reason": choice.get("finish_reason") or "stop"})
+        self.apply_chunk({"choices": choices, "usage": completion.get("usage"),
+                          "error": completion.get("error")}, reply, emit)
+        if not reply.finish:
+            raise ProviderError("the model server's answer had no choices.")
+
+
+# =============================================================================================
+# 5. Tools: what the model can do
+# =============================================================================================
+#
+# A tool is an async function registered with @tool: its docstring is the description the
+# model reads, its parameters a small JSON schema. Every call shows up in the editor as a
+# tool call card: announced as `pending` with a title, a kind (the card's icon) and the
+# files it touches; `in_progress` once running; then `completed` or `failed` with content.
+# A tool that changes something calls `ctx.confirm()` first -- the one permission path,
+# which knows the session's mode and the user's remembered answers. A ToolError is an
+# expected failure: its message goes back to the model as the result, so it can correct
+# itself; it never ends the turn.
+
+class ToolError(Exception):
+    """An expected tool failure; the model reads the message."""
+
+
+@dataclass
+class ToolResult:
+    output: str                                    # what the model reads
+    content: list = field(default_factory=list)    # what the user sees (ToolCallContent)
+    raw: Any = None                                # rawOutput, shown when content is empty
+    locations: Optional[list] = None               # replaces the announced locations
+
+
+@dataclass
+class Tool:
+    name: str
+    kind: str                   # ACP ToolKind: read, edit, delete, move, search, execute, …
+    run: Callable
+    description: str
+    parameters: dict
+    changes: bool               # changes files or runs commands: needs permission
+    title: Callable             # (args, ctx) -> the card's title
+
+
+TOOLS: dict = {}      # tool name as the model sees it -> Tool, filled by @tool
+
+
+def tool(name: str, kind: str, params: dict, *, required: tuple = (), changes: bool = False,
+         title: Optional[Callable] = None):
+    """Register an async function as a tool the model can call."""
+    import inspect
+
+    def register(run):
+        TOOLS[name] = Tool(name, kind, run, inspect.cleandoc(run.__doc__ or name),
+                           {"type": "object", "properties": params, "required": list(required)},
+                           changes, title or (lambda args, ctx: name))
+        return run
+    return register
+
+
+def arg(type_name: str, description: str, **extra) -> dict:
+    """One parameter's JSON schema."""
+    return {"type": type_name, "description": description, **extra}
+
+
+def tool_specs(mode: str) -> list:
+    """The tools as the model is offered them; plan mode offers only read-only ones."""
+    return [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                              "parameters": t.parameters}}
+            for t in TOOLS.values() if mode != "plan" or not t.changes]
+
+
+def check_args(tool_: Tool, args: Any) -> dict:
+    """Validate (and gently coerce) the model's arguments; a ToolError names what is wrong."""
+    if not isinstance(args, dict):
+        raise ToolError("the arguments must be a JSON object")
+    for name in tool_.parameters["required"]:
+        if args.get(name) is None:
+            raise ToolError(f"missing required argument {name!r}")
+    checked = {}
+    for name, spec in tool_.parameters["properties"].items():
+        value = args.get(name)
+        if value is not None:
+            checked[name] = coerce(name, value, spec)
+    return checked
+
+
+def coerce(name: str, value: Any, spec: dict) -> Any:
+    """Accept what weak models send -- "10" for 10, "true" for true -- and nothing worse."""
+    kind = spec["type"]
+    if kind == "integer":
+        if isinstance(value, str) and re.fullmatch(r"-?\d+", value.strip()):
+            value = int(value)
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif kind == "boolean":
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        if isinstance(value, bool):
+            return value
+    elif kind in ("array", "object"):
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                pass
+        if isinstance(value, list if kind == "array" else dict):
+            return value
+    elif kind == "string":
+        if isinstance(value, str):
+            if "enum" in spec and value not in spec["enum"]:
+                raise ToolError(f"argument {name!r} must be one of {', '.join(spec['enum'])}")
+            return value
+    raise ToolError(f"argument {name!r} must be {'an' if kind[0] in 'aeio' else 'a'} {kind}")
+
+
+class ToolContext:
+    """What a running tool may use: the session, its cwd, the user's permission."""
+
+    def __init__(self, agent: Agent, session: Session, call_id: str, tool_: Tool, title: str):
+        self.agent, self.session, self.call_id = agent, session, call_id
+        self.tool, self.title = tool_, title
+        self.started = False
+
+    @property
+    def cwd(self) -> str:
+        return self.session.cwd
+
+    def resolve(self, path: Any) -> str:
+        """An absolute path: relative paths are taken from the session's cwd."""
+        if not isinstance(path, str) or not path.strip():
+            raise ToolError("a path must be a non-empty string")
+        return os.path.normpath(os.path.join(self.cwd, os.path.expanduser(path.strip())))
+
+    def display(self, path: str) -> str:
+        """A path as the user would write it: relative inside the project."""
+        relative = os.path.relpath(path, self.cwd)
+        return path if relative.startswith("..") else relative
+
+    def start(self) -> None:
+        if not self.started:
+            self.started = True
+            self.agent.update(self.session, tool_call_update(self.call_id, status="in_progress"))
+
+    def plan(self, entries: list) -> None:
+        self.agent.update(self.session, plan(entries))
+
+    async def confirm(self, content: list, key: str, label: str) -> None:
+        """Ask the user before a change; raises ToolError if it may not happen.
+
+        Plan mode refuses; auto-edit approves file changes; a remembered "always" answer
+        (for `key`) decides; otherwise the client shows a permission card with `content`
+        (the diff or the command) and four buttons.
+        """
+        session = self.session
+        if session.mode == "plan":
+            raise ToolError(PLAN_REFUSAL)
+        if session.mode == "auto-edit" and self.tool.kind != "execute":
+            allowed: Optional[bool] = True
+        else:
+            allowed = session.allowed.get(key)
+        if allowed is None:
+            allowed = await self.ask(content, key, label)
+        if not allowed:
+            raise ToolError("The user declined this. Do not try it again; ask the user what "
+                            "to do instead, or take another approach.")
+        self.start()
+
+    async def ask(self, content: list, key: str, label: str) -> bool:
+        session = self.session
+        options = [
+            {"optionId": "allow_once", "name": "Allow", "kind": "allow_once"},
+            {"optionId": "allow_always", "name": f"Always allow {label} in this session",
+             "kind": "allow_always"},
+            {"optionId": "reject_once", "name": "Reject", "kind": "reject_once"},
+            {"optionId": "reject_always", "name": f"Always reject {label} in this session",
+             "kind": "reject_always"},
+        ]
+        card = tool_call_update(self.call_id, title=self.title, content=content)
+        session.record(card)    # the request itself carries it to the client
+        request = {"sessionId": session.id, "options": options,
+                   "toolCall": {k: v for k, v in card.items() if k != "sessionUpdate"}}
+        try:
+            result = await self.agent.conn.request("session/request_permission", request)
+        except RpcError as e:
+            raise ToolError(f"could not ask the user for permission ({e.message}); not done")
+        outcome = result.get("outcome") if isinstance(result, dict) else None
+        outcome = outcome if isinstance(outcome, dict) else {}
+        if outcome.get("outcome") != "selected":
+            raise ToolError("The permission request was cancelled; not done.")
+        option = outcome.get("optionId")
+        allowed = option in ("allow_once", "allow_always")
+        if option in ("allow_always", "reject_always"):
+            session.allowed[key] = allowed
+        return allowed
+
+
+PLAN_REFUSAL = ("Refused: the session is in plan mode, which is read-only. Explore and write "
+                "the plan; the user switches the mode when it is time to make changes.")
+READ_LINES = 2000              # lines ReadFile returns by default
+READ_CHARS = 200_000           # most characters ReadFile returns at once
+LINE_CHARS = 2000              # longer lines are cut in ReadFile and Grep output
+LIST_LIMIT = 500               # most entries LS and Glob return
+SEARCH_FILE_BYTES = 8 << 20    # Grep skips larger files
+SHELL_OUTPUT_CHARS = 30_000    # Shell keeps this much output: head and tail
+SHELL_TIMEOUT = 120            # seconds, default for Shell; at most SHELL_TIMEOUT_MAX
+SHELL_TIMEOUT_MAX = 600
+
+
+def read_text(path: str) -> Optional[str]:
+    """A text file's exact content (newlines untouched), None if it does not exist."""
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+    except IsADirectoryError:
+        raise ToolError(f"{path} is a directory, not a file") from None
+    except UnicodeDecodeError:
+        raise ToolError(f"{path} is not UTF-8 text; qcr edits text files only") from None
+    except OSError as e:
+        raise ToolError(f"cannot read {path}: {e.strerror}") from None
+
+
+def write_text(path: str, text: str) -> None:
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+    except OSError as e:
+        raise ToolError(f"cannot write {path}: {e.strerror}") from None
+
+
+def count_lines(text: str) -> int:
+    return text.count("\n") + (1 if text and not text.endswith("\n") else 0)
+
+
+def path_title(verb: str, key: str = "path") -> Callable:
+    return lambda args, ctx: f"{verb} {args.get(key) or ''}".strip()
+
+
+# -- Files -------------------------------------------------------------------------------------
+
+@tool("ReadFile", "read", {
+    "path": arg("string", "The file, absolute or relative to the project root"),
+    "offset": arg("integer", "First line to read, 1-based (default 1)"),
+    "limit": arg("integer", f"How many lines to read (default {READ_LINES})"),
+}, required=("path",), title=path_title("Read"))
+async def read_file(ctx: ToolContext, path: str, offset: int = 1, limit: int = READ_LINES):
+    """Read a text file. Each line comes as: line number, a tab, the text. Long files are
+    read a page at a time: pass offset and limit to read further."""
+    full = ctx.resolve(path)
+    offset, limit = max(1, offset), max(1, limit)
+    try:
+        with open(full, "rb") as f:
+            if b"\0" in f.read(8192):
+                size = os.fstat(f.fileno()).st_size
+                return ToolResult(f"{full} is a binary file ({size} bytes); not shown.",
+                                  raw={"path": full, "binary": True, "bytes": size})
+            f.seek(0)
+            shown, chars, total = [], 0, 0
+            for total, raw in enumerate(f, 1):
+                if total < offset or len(shown) >= limit or chars > READ_CHARS:
+                    continue
+                line = raw.decode("utf-8", "replace").rstrip("\r\n")
+                if len(line) > LINE_CHARS:
+                    line = line[:LINE_CHARS] + " [line cut]"
+                shown.append(f"{total:6}\t{line}")
+                chars += len(line)
+    except FileNotFoundError:
+        raise ToolError(f"no such file: {full}. Use LS or Glob to find the right path.") from None
+    except IsADirectoryError:
+        raise ToolError(f"{full} is a directory; use LS to list it.") from None
+    except OSError as e:
+        raise ToolError(f"cannot read {full}: {e.strerror}") from None
+    if total == 0:
+        return ToolResult(f"{full} is empty.", raw={"path": full, "lines": 0})
+    if not shown:
+        raise ToolError(f"offset {offset} is past the end of {full} ({total} lines)")
+    last = offset + len(shown) - 1
+    output = "\n".join(shown)
+    if last < total:
+        output += (f"\n[lines {offset}-{last} of {total}; "
+                   f"read on with offset={last + 1}]")
+    return ToolResult(output, raw={"path": full, "lines": [offset, last], "totalLines": total},
+                      locations=[{"path": full, "line": offset}])
+
+
+@tool("WriteFile", "edit", {
+    "path": arg("string", "The file to create or replace"),
+    "content": arg("string", "The whole new content of the file"),
+}, required=("path", "content"), changes=True, title=path_title("Write"))
+async def write_file(ctx: ToolContext, path: str, content: str):
+    """Create a file, or replace a file's whole content. Parent folders are created. To change
+    part of an existing file, use EditFile."""
+    full = ctx.resolve(path)
+    old = read_text(full)
+    diff = diff_content(full, old, content)
+    await ctx.confirm([diff], "edit", "file changes")
+    write_text(full, content)
+    verb = "Created" if old is None else "Replaced"
+    return ToolResult(f"{verb} {full} ({count_lines(content)} lines).", [diff],
+                      {"path": full, "created": old is None, "bytes": len(content.encode())},
+                      [{"path": full, "line": 1}])
+
+
+@tool("EditFile", "edit", {
+    "path": arg("string", "The file to edit"),
+    "old_string": arg("string", "The exact text to replace, including whitespace; it must "
+                                "occur exactly once unless replace_all is true"),
+    "new_string": arg("string", "The text to put in its place"),
+    "replace_all": arg("boolean", "Replace every occurrence (default false)"),
+}, required=("path", "old_string", "new_string"), changes=True, title=path_title("Edit"))
+async def edit_file(ctx: ToolContext, path: str, old_string: str, new_string: str,
+                    replace_all: bool = False):
+    """Replace exact text in a file. Read the file first and copy old_string exactly,
+    with its indentation. An empty old_string creates a new file with new_string."""
+    full = ctx.resolve(path)
+    text = read_text(full)
+    if text is None:
+        if old_string:
+            raise ToolError(f"no such file: {full}. Create it with WriteFile.")
+        text = ""
+    elif not old_string:
+        raise ToolError(f"{full} exists: old_string may be empty only to create a new file.")
+    if old_string == new_string:
+        raise ToolError("old_string and new_string are the same; nothing would change.")
+    count = text.count(old_string) if old_string else 1
+    if count == 0 and "\r\n" in text and "\r" not in old_string:   # a CRLF file
+        crlf = old_string.replace("\n", "\r\n")
+        if text.count(crlf):
+            old_string, new_string = crlf, new_string.replace("\n", "\r\n")
+            count = text.count(crlf)
+    if count == 0:
+        raise ToolError(f"old_string was not found in {full}. Read the file again and copy "
+                        "the exact text, including whitespace and indentation.")
+    if count > 1 and not replace_all:
+        raise ToolError(f"old_string occurs {count} times in {full}. Include more of the "
+                        "surrounding lines to make it unique, or set replace_all to true.")
+    new_text = text.replace(old_string, new_string) if old_string else new_string
+    if not replace_all and old_string:
+        new_text = text.replace(old_string, new_string, 1)
+    line = text[:text.find(old_string)].count("\n") + 1 if old_string else 1
+    diff = diff_content(full, text if old_string else None, new_text)
+    await ctx.confirm([diff], "edit", "file changes")
+    write_text(full, new_text)
+    replaced = count if replace_all else 1
+    return ToolResult(f"Edited {full}: replaced {replaced} occurrence(s) at line {line}.",
+                      [diff], {"path": full, "replacements": replaced, "line": line},
+                      [{"path": full, "line": line}])
+
+
+@tool("DeleteFile", "delete", {
+    "path": arg("string", "The file to delete"),
+}, required=("path",), changes=True, title=path_title("Delete"))
+async def delete_file(ctx: ToolContext, path: str):
+    """Delete a file (not a folder)."""
+    full = ctx.resolve(path)
+    if os.path.isdir(full):
+        raise ToolError(f"{full} is a directory; DeleteFile deletes files only.")
+    if not os.path.lexists(full):
+        raise ToolError(f"no such file: {full}")
+    try:
+        old = read_text(full)
+        shown = diff_content(full, old, "")
+    except ToolError:   # not text: show a sentence instead of a diff
+        shown = text_content(f"Delete {full}")
+    await ctx.confirm([shown], "edit", "file changes")
+    try:
+        os.remove(full)
+    except OSError as e:
+        raise ToolError(f"cannot delete {full}: {e.strerror}") from None
+    return ToolResult(f"Deleted {full}.", [shown], {"path": full, "deleted": True})
+
+
+@tool("MoveFile", "move", {
+    "source": arg("string", "The file or folder to move"),
+    "destination": arg("string", "Where it goes; must not exist yet"),
+}, required=("source", "destination"), changes=True,
+    title=lambda args, ctx: f"Move {args.get('source')} → {args.get('destination')}")
+async def move_file(ctx: ToolContext, source: str, destination: str):
+    """Move or rename a file or folder. Parent folders of the destination are created."""
+    src, dst = ctx.resolve(source), ctx.resolve(destination)
+    if not os.path.lexists(src):
+        raise ToolError(f"no such file: {src}")
+    if os.path.lexists(dst):
+        raise ToolError(f"{dst} already exists; choose another destination or delete it first.")
+    shown = text_content(f"Move {src} → {dst}")
+    await ctx.confirm([shown], "edit", "file changes")
+    try:
+        import shutil
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        shutil.move(src, dst)
+    except OSError as e:
+        raise ToolError(f"cannot move {src}: {e.strerror or e}") from None
+    return ToolResult(f"Moved {src} to {dst}.", [shown], {"source": src, "destination": dst},
+                      [{"path": dst}])
+
+
+# -- Search ------------------------------------------------------------------------------------
+
+def glob_regex(pattern: str) -> re.Pattern:
+    """A glob as a regex over /-separated paths: *, ?, [abc], {a,b}, and ** for any depth."""
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out.append("(?:.*/)?")
+            i += 3
+            continue
+        c = pattern[i]
+        if pattern.startswith("**", i):
+            out.append(".*")
+            i += 1
+        elif c == "*":
+            out.append("[^/]*")
+        elif c == "?":
+            out.append("[^/]")
+        elif c in "[{" and pattern.find("]" if c == "[" else "}", i) > i:
+            end = pattern.find("]" if c == "[" else "}", i)
+            inner = pattern[i + 1:end]
+            if c == "[":
+                out.append("[" + ("^" + inner[1:] if inner.startswith("!") else inner) + "]")
+            else:
+                out.append("(?:" + "|".join(re.escape(p) for p in inner.split(",")) + ")")
+            i = end
+        else:
+            out.append(re.escape(c))
+        i += 1
+    return re.compile("".join(out) + r"\Z")
+
+
+def glob_matcher(pattern: str) -> Callable[[str], bool]:
+    """A pattern without "/" matches file names at any depth; one with "/", whole paths."""
+    rx = glob_regex(pattern.lstrip("/") if "/" in pattern else pattern)
+    if "/" in pattern:
+        return lambda rel: rx.match(rel) is not None
+    return lambda rel: rx.match(rel.rsplit("/", 1)[-1]) is not None
+
+
+def walk_files(root: str) -> list:
+    """Files under root, relative, /-separated, skipping .git and what .gitignore ignores.
+
+    Inside a git work tree git itself answers (exactly right, and fast); elsewhere a walk
+    applies the root's .gitignore patterns.
+    """
+    import subprocess
+    try:
+        listed = subprocess.run(
+            ["git", "-C", root, "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            timeout=30)
+        if listed.returncode == 0:
+            names = listed.stdout.decode("utf-8", "replace").split("\0")
+            return sorted({n for n in names if n and os.path.isfile(os.path.join(root, n))})
+    except (OSError, subprocess.SubprocessError):
+        pass
+    rules = gitignore_rules(root)
+    found = []
+    for folder, dirs, files in os.walk(root):
+        rel_folder = os.path.relpath(folder, root).replace(os.sep, "/")
+        prefix = "" if rel_folder == "." else rel_folder + "/"
+        dirs[:] = sorted(d for d in dirs if d != ".git" and not ignored(prefix + d, True, rules))
+        found.extend(prefix + f for f in sorted(files) if not ignored(prefix + f, False, rules))
+    return found
+
+
+def gitignore_rules(root: str) -> list:
+    """The root .gitignore as (matcher, directories only) pairs; negations are skipped."""
+    try:
+        with open(os.path.join(root, ".gitignore"), encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    rules = []
+    for line in lines:
+        line = line.strip()
+        if line and not line.startswith(("#", "!")):
+            directory_only = line.endswith("/")
+            line = line.rstrip("/")
+            rules.append((glob_matcher(line if "/" not in line else "/" + line.lstrip("/")),
+                          directory_only))
+    return rules
+
+
+def ignored(rel: str, is_dir: bool, rules: list) -> bool:
+    return any(match(rel) for match, directory_only in rules if is_dir or not directory_only)
+
+
+@tool("LS", "read", {
+    "path": arg("string", "The folder to list (default: the project root)"),
+}, title=lambda args, ctx: f"List {args.get('path') or '.'}")
+async def ls(ctx: ToolContext, path: str = "."):
+    """List a folder: sub-folders end with "/", files show their size in bytes."""
+    full = ctx.resolve(path)
+    try:
+        entries = sorted(os.scandir(full), key=lambda e: (not e.is_dir(), e.name))
+    except FileNotFoundError:
+        raise ToolError(f"no such folder: {full}") from None
+    except NotADirectoryError:
+        raise ToolError(f"{full} is a file; use ReadFile to read it.") from None
+    except OSError as e:
+        raise ToolError(f"cannot list {full}: {e.strerror}") from None
+    lines = []
+    for entry in entries[:LIST_LIMIT]:
+        try:
+            lines.append(entry.name + "/" if entry.is_dir() else
+                         f"{entry.name}  ({entry.stat().st_size} bytes)")
+        except OSError:
+            lines.append(entry.name)
+    if len(entries) > LIST_LIMIT:
+        lines.append(f"[{len(entries) - LIST_LIMIT} more entries not shown]")
+    return ToolResult("\n".join(lines) or f"{full} is empty.",
+                      raw={"path": full, "entries": len(entries)},
+                      locations=[{"path": full}])
+
+
+@tool("Glob", "read", {
+    "pattern": arg("string", 'A glob such as "**/*.py" or "src/**/test_*.ts"; a pattern '
+                              'without "/" matches file names at any depth'),
+    "path": arg("string", "The folder to search (default: the project root)"),
+}, required=("pattern",), title=lambda args, ctx: f"Find {args.get('pattern')}")
+async def glob(ctx: ToolContext, pattern: str, path: str = "."):
+    """Find files by name pattern. Skips .git and files that .gitignore ignores."""
+    root = ctx.resolve(path)
+    if not os.path.isdir(root):
+        raise ToolError(f"no such folder: {root}")
+    match = glob_matcher(pattern)
+    files = [f for f in await asyncio.to_thread(walk_files, root) if match(f)]
+    shown = [ctx.display(os.path.join(root, f)) for f in files[:LIST_LIMIT]]
+    if len(files) > LIST_LIMIT:
+        shown.append(f"[{len(files) - LIST_LIMIT} more files; narrow the pattern]")
+    return ToolResult("\n".join(shown) or f"No files match {pattern!r} in {root}.",
+                      raw={"pattern": pattern, "path": root, "matches": len(files)})
+
+
+@tool("Grep", "search", {
+    "pattern": arg("string", "A Python regular expression"),
+    "path": arg("string", "A folder or file to search (default: the project root)"),
+    "glob": arg("string", 'Only files matching this glob, e.g. "*.py"'),
+    "ignore_case": arg("boolean", "Match case-insensitively (default false)"),
+    "max_results": arg("integer", "Most matching lines to return (default 200)"),
+}, required=("pattern",), title=lambda args, ctx: f"Search for {args.get('pattern')}")
+async def grep(ctx: ToolContext, pattern: str, path: str = ".", glob: Optional[str] = None,
+               ignore_case: bool = False, max_results: int = 200):
+    """Search file contents with a regular expression. Results come as path:line: text.
+    Skips .git, files that .gitignore ignores, and binary files."""
+    try:
+        rx = re.compile(pattern, re.IGNORECASE if ignore_case else 0)
+    except re.error as e:
+        raise ToolError(f"invalid regular expression {pattern!r}: {e}") from None
+    root = ctx.resolve(path)
+    if not os.path.exists(root):
+        raise ToolError(f"no such file or folder: {root}")
+    limit = max(1, min(max_results, 2000))
+    hits = await asyncio.to_thread(search_files, root, rx, glob, limit + 1)
+    lines = [f"{ctx.display(p)}:{n}: {text}" for p, n, text in hits[:limit]]
+    if len(hits) > limit:
+        lines.append(f"[more than {limit} matches; narrow the search]")
+    return ToolResult("\n".join(lines) or f"No matches for {pattern!r}.",
+                      raw={"pattern": pattern, "path": root, "matches": len(hits[:limit])},
+                      locations=[{"path": p, "line": n} for p, n, _ in hits[:20]])
+
+
+def search_files(root: str, rx: re.Pattern, pattern: Optional[str], limit: int) -> list:
+    """(absolute path, line number, line) for up to `limit` matching lines."""
+    if os.path.isfile(root):
+        paths = [root]
+    else:
+        match = glob_matcher(pattern) if pattern else None
+        paths = [os.path.join(root, f) for f in walk_files(root) if not match or match(f)]
+    hits = []
+    for path in paths:
+        try:
+            if os.path.getsize(path) > SEARCH_FILE_BYTES:
+                continue
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        if b"\0" in data[:8192]:
+            continue
+        text = data.decode("utf-8", "replace")
+        if not rx.search(text):
+            continue
+        for number, line in enumerate(text.split("\n"), 1):
+            if rx.search(line):
+                hits.append((path, number, line.rstrip("\r")[:LINE_CHARS]))
+                if len(hits) >= limit:
+                    return hits
+    return hits
+
+
+# -- Shell -------------------------------------------------------------------------------------
+
+def shell_key(command: str) -> str:
+    """What an "always" answer for a command covers: commands with the same first word."""
+    words = command.split()
+    return "Shell:" + (words[0] if words else "")
+
+
+@tool("Shell", "execute", {
+    "command": arg("string", "The shell command line, run with bash -c"),
+    "timeout": arg("integer", f"Seconds before it is killed (default {SHELL_TIMEOUT}, "
+                              f"at most {SHELL_TIMEOUT_MAX})"),
+}, required=("command",), changes=True,
+    title=lambda args, ctx: str(args.get("command") or "Shell").strip()[:300])
+async def shell(ctx: ToolContext, command: str, timeout: int = SHELL_TIMEOUT):
+    """Run a shell command in the project root and return its output (stdout and stderr
+    together) and exit code. No input is connected: do not start interactive programs."""
+    if not command.strip():
+        raise ToolError("the command is empty")
+    first = command.split()[0]
+    await ctx.confirm([text_content(f"$ {command}")], shell_key(command),
+                      f"`{first}` commands")
+    timeout = max(1, min(timeout, SHELL_TIMEOUT_MAX))
+    output, code, timed_out = await run_command(command, ctx.cwd, timeout)
+    status = (f"[timed out after {timeout}s; the command was killed]" if timed_out
+              else f"[exit code {code}]")
+    shown = output[-SHELL_OUTPUT_CHARS // 3:] if output else "(no output)"
+    return ToolResult(f"{output}\n{status}".strip(), [text_content(f"{shown}\n{status}")],
+                      {"exitCode": code, "timedOut": timed_out, "chars": len(output)})
+
+
+async def run_command(command: str, cwd: str, timeout: float) -> tuple:
+    """Run `bash -c command` in its own process group: (output, exit code, timed out).
+
+    The whole group is killed when the command times out, when the turn is cancelled, and
+    when the command exits but leaves background children holding the output pipe.
+    """
+    import signal
+    import subprocess
+    shell_path = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
+    env = dict(os.environ, PAGER="cat", GIT_PAGER="cat", GIT_TERMINAL_PROMPT="0")
+    proc = await asyncio.create_subprocess_exec(
+        shell_path, "-c", command, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    head, tail, total = bytearray(), bytearray(), 0
+    half = SHELL_OUTPUT_CHARS // 2
+
+    async def pump() -> None:
+        nonlocal total
+        while True:
+            chunk = await proc.stdout.read(65536)
+            if not chunk:
+                return
+            total += len(chunk)
+            room = half - len(head)
+            head.extend(chunk[:max(room, 0)])
+            tail.extend(chunk[max(room, 0):])
+            del tail[:-half]
+
+    reader = asyncio.ensure_future(pump())
+    timed_out = False
+    try:
+        try:
+            await asyncio.wait_for(proc.wait(), timeout)
+            await asyncio.wait([reader], timeout=1.0)   # output still in the pipe
+        except asyncio.TimeoutError:
+            timed_out = True
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        reader.cancel()
+        if proc.returncode is None:
+            await asyncio.wait([asyncio.ensure_future(proc.wait())], timeout=2.0)
+    text = head.decode("utf-8", "replace")
+    if total > len(head) + len(tail):
+        text += f"\n[... {total - len(head) - len(tail)} bytes of output omitted ...]\n"
+    text += tail.decode("utf-8", "replace")
+    return text.rstrip("\n"), proc.returncode, timed_out
+
+
+# -- Planning ----------------------------------------------------------------------------------
+
+@tool("Think", "think", {
+    "thought": arg("string", "Your reasoning"),
+}, required=("thought",), title=lambda args, ctx: "Think")
+async def think(ctx: ToolContext, thought: str):
+    """Think out loud: note reasoning or a decision before acting. Changes nothing."""
+    return ToolResult("Noted.", [text_content(thought)])
+
+
+PLAN_STATUSES = ("pending", "in_progress", "completed")
+
+
+@tool("TodoWrite", "other", {
+    "todos": arg("array", "The whole list, in order; it replaces the previous one", items={
+        "type": "object", "required": ["content", "status"], "properties": {
+            "content": {"type": "string"},
+            "status": {"type": "string", "enum": list(PLAN_STATUSES)},
+            "priority": {"type": "string", "enum": ["high", "medium", "low"]}}}),
+}, required=("todos",), title=lambda args, ctx: "Update the plan")
+async def todo_write(ctx: ToolContext, todos: list):
+    """Keep a to-do list for a task of several steps; the user sees it as the plan. Send the
+    whole list each time, with exactly one item in_progress while you work."""
+    entries = []
+    for i, item in enumerate(todos):
+        if not isinstance(item, dict) or not isinstance(item.get("content"), str):
+            raise ToolError(f"todos[{i}] must be an object with a content string")
+        status = str(item.get("status", "pending")).lower().replace("-", "_")
+        status = {"done": "completed", "complete": "completed", "todo": "pending",
+                  "in progress": "in_progress", "active": "in_progress"}.get(status, status)
+        if status not in PLAN_STATUSES:
+            raise ToolError(f"todos[{i}].status must be one of {', '.join(PLAN_STATUSES)}")
+        priority = str(item.get("priority", "medium")).lower()
+        entries.append({"content": item["content"], "status": status,
+                        "priority": priority if priority in ("high", "low") else "medium"})
+    ctx.plan(entries)
+    counts = {s: sum(e["status"] == s for e in entries) for s in PLAN_STATUSES}
+    return ToolResult(f"Plan updated: {counts['pending']} pending, {counts['in_progress']} in "
+                      f"progress, {counts['completed']} completed.", raw={"entries": entries})
+
+
+# =============================================================================================
+# 6. Agent loop: one prompt turn
+# =============================================================================================
+#
+# A turn is a loop: send the conversation to the model, stream its reply to the client, run
+# the tool calls it asked for (each one announced, approved if it changes something, run,
+# reported), append the results, and go again -- until the model answers without a tool call
+# (end_turn), hits its length limit (max_tokens), is filtered (refusal), the loop limit is
+# reached (max_turn_requests), or the user cancels (cancelled). The session is saved after
+# every model reply and every tool result, so a crash loses at most the step in flight.
+
+CONTEXT_FILES = ("QCR.md", "AGENTS.md", "CLAUDE.md")
+CONTEXT_FILE_CHARS = 64 * 1024      # most of one context file that goes into the prompt
+
+
+def system_prompt(session: Session) -> str:
+    """The instructions: who qcr is, where it works, the mode, and the project's own notes."""
+    parts = [
+        f"You are qcr, a coding agent working in the project at {session.cwd} through the "
+        "user's editor. Use the tools to read, search and change the project; paths may be "
+        "relative to the project root. Read a file before editing it. Keep a plan with "
+        "TodoWrite for tasks of several steps. Answer in Markdown, briefly.",
+        f"Today is {time.strftime('%Y-%m-%d')}. The platform is {sys.platform}.",
+    ]
+    if session.mode == "plan":
+        parts.append("The session is in PLAN mode: it is read-only. Explore the project and "
+                     "write a plan; do not try to change files or run commands.")
+    for name in CONTEXT_FILES:
+        text = read_context_file(os.path.join(session.cwd, name))
+        if text:
+            parts.append(f"# {name} (project instructions)\n{text}")
+    steering = os.path.join(session.cwd, ".qcr", "steering")
+    if os.path.isdir(steering):
+        for name in sorted(os.listdir(steering)):
+            if name.endswith(".md"):
+                text = read_context_file(os.path.join(steering, name))
+                if text:
+                    parts.append(f"# Steering: {name}\n{text}")
+    return "\n\n".join(parts)
+
+
+def read_context_file(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read(CONTEXT_FILE_CHARS).strip()
+    except OSError:
+        return ""
+
+
+def tool_message(call_id: str, text: str) -> dict:
+    return {"role": "tool", "tool_call_id": call_id, "content": text}
+
+
+def close_open_calls(messages: list, why: str) -> None:
+    """Answer tool calls left without a result (cancel, crash): models reject such a history."""
+    for i in range(len(messages) - 1, -1, -1):
+        message = messages[i]
+        if message.get("role") == "assistant":
+            answered = {m.get("tool_call_id") for m in messages[i + 1:]}
+            for call in message.get("tool_calls") or []:
+                if call.get("id") not in answered:
+                    messages.append(tool_message(call.get("id"), why))
+            return
+        if message.get("role") == "user":
+            return
+
+
+async def run_turn(agent: Agent, session: Session, text: str) -> str:
+    """Run one prompt to its end; returns the ACP stop reason."""
+    close_open_calls(session.messages, "Not run: the turn was interrupted.")
+    session.messages.append({"role": "user", "content": text})
+    session.record(message_chunk("user_message_chunk", text))
+    if not session.title:
+        session.title = " ".join(text.split())[:80] or "Untitled"
+        agent.update(session, session_info_update(session.title, iso_time(time.time())))
+    agent.save(session)
+
+    def emit(kind: str, chunk: str) -> None:
+        agent.update(session, message_chunk(kind, chunk))
+
+    if agent.config.problems and not session.messages[:-1]:
+        emit("agent_message_chunk", "[warning] " + "\n[warning] ".join(agent.config.problems)
+             + "\n\n")
+    provider = OpenAIProvider(agent.config, session.model)
+    reply: Optional[Reply] = None
+    try:
+        for _ in range(agent.config.max_turn_requests):
+            reply = Reply()
+            messages = [{"role": "system", "content": system_prompt(session)}] + session.messages
+            await provider.stream(messages, tool_specs(session.mode), reply, emit)
+            session.messages.append(reply.message())
+            agent.save(session)
+            calls, finish, reply = reply.calls, reply.finish, None
+            if finish == "length":
+                return "max_tokens"
+            if finish == "content_filter":
+                return "refusal"
+            if not calls:
+                return "end_turn"
+            for call in calls:
+                session.messages.append(await run_tool_call(agent, session, call))
+                agent.save(session)
+        return "max_turn_requests"
+    except ProviderError as e:
+        keep_partial(session, reply)
+        emit("agent_message_chunk", ("\n\n" if reply and reply.parts else "") + f"[error] {e}")
+        agent.save(session)
+        return "end_turn"
+    except asyncio.CancelledError:
+        keep_partial(session, reply)
+        close_open_calls(session.messages, "Not run: the user cancelled the turn.")
+        agent.save(session)
+        return "cancelled"
+
+
+def keep_partial(session: Session, reply: Optional[Reply]) -> None:
+    """What the model had said when the turn broke off stays in its context."""
+    if reply is not None and reply.parts:
+        session.messages.append({"role": "assistant", "content": reply.text})
+
+
+async def run_tool_call(agent: Agent, session: Session, call: dict) -> dict:
+    """Announce, check, approve, run and report one tool call; returns the tool message."""
+    call_id = "call-" + os.urandom(6).hex()
+    tool_ = TOOLS.get(call["name"])
+    try:
+        args, bad_json = json.loads(call["arguments"] or "{}"), None
+    except ValueError as e:
+        args, bad_json = None, e
+    fields = args if isinstance(args, dict) else {}
+    title = tool_.title(fields, session) if tool_ else call["name"] or "Unknown tool"
+    locations = [{"path": os.path.normpath(os.path.join(session.cwd, os.path.expanduser(p)))}
+                 for p in (fields.get(k) for k in ("path", "source", "destination"))
+                 if isinstance(p, str) and p.strip()]
+    agent.update(session, tool_call(call_id, str(title), tool_.kind if tool_ else "other",
+                                    locations, args if args is not None else call["arguments"]))
+    ctx = ToolContext(agent, session, call_id, tool_, str(title))
+    try:
+        if tool_ is None:
+            raise ToolError(f"there is no tool named {call['name']!r}; the tools are "
+                            f"{', '.join(TOOLS)}.")
+        if bad_json is not None:
+            raise ToolError(f"the arguments were not valid JSON ({bad_json}); send a JSON "
+                            "object.")
+        kwargs = check_args(tool_, args)
+        if tool_.changes and session.mode == "plan":
+            raise ToolError(PLAN_REFUSAL)
+        if not tool_.changes:
+            ctx.start()
+        result = await tool_.run(ctx, **kwargs)
+    except ToolError as e:
+        return fail_tool_call(agent, session, call, call_id, str(e))
+    except asyncio.CancelledError:
+        fail_tool_call(agent, session, call, call_id, "Cancelled by the user.")
+        raise
+    except Exception as e:
+        import traceback
+        log(f"tool {call['name']} crashed:\n{traceback.format_exc()}", error=True)
+        return fail_tool_call(agent, session, call, call_id,
+                              f"qcr failed inside the tool ({type(e).__name__}: {e})")
+    update = {"status": "completed", "content": result.content,
+              "rawOutput": result.raw if result.raw is not None else {"output": result.output}}
+    if result.locations is not None:
+        update["locations"] = result.locations
+    agent.update(session, tool_call_update(call_id, **update))
+    return tool_message(call["id"], result.output)
+
+
+def fail_tool_call(agent: Agent, session: Session, call: dict, call_id: str, why: str) -> dict:
+    agent.update(session, tool_call_update(call_id, status="failed",
+                                           content=[text_content(why)], rawOutput={"error": why}))
+    return tool_message(call["id"], "Error: " + why)
+
+
+# =============================================================================================
+# 7. Config: where the model server is, and the limits
+# =============================================================================================
+#
+# Precedence, lowest first: built-in defaults < ~/.qcr/config.json < --config FILE <
+# OPENAI_* environment < QCR_* environment. An editor passes the environment through the
+# agent's "env" setting, so that is the usual place for a per-editor choice.
+
+@dataclass
+class Config:
+    base_url: str = ""
+    api_key: str = ""
+    model: str = ""
+    models: list = field(default_factory=list)   # more models for the model selector
+    temperature: Optional[float] = None
+    max_tokens: Optional[int] = None
+    max_turn_requests: int = 50                  # model calls in one prompt turn
+    request_timeout: float = 300.0               # seconds without a byte from the server
+    home: str = ""                               # ~/.qcr
+    problems: list = field(default_factory=list) # mistakes in the configuration, for the user
+
+
+CONFIG_KEYS = {    # config.json key -> (Config attribute, type)
+    "baseUrl": ("base_url", str), "apiKey": ("api_key", str), "model": ("model", str),
+    "models": ("models", list), "temperature": ("temperature", float),
+    "maxTokens": ("max_tokens", int), "maxTurnRequests": ("max_turn_requests", int),
+    "requestTimeout": ("request_timeout", float),
+}
+ENV_KEYS = [       # environment variable -> config.json key; later ones win
+    ("OPENAI_BASE_URL", "baseUrl"), ("OPENAI_API_KEY", "apiKey"), ("OPENAI_MODEL", "model"),
+    ("QCR_BASE_URL", "baseUrl"), ("QCR_API_KEY", "apiKey"), ("QCR_MODEL", "model"),
+    ("QCR_MODELS", "models"), ("QCR_TEMPERATURE", "temperature"),
+    ("QCR_MAX_TOKENS", "maxTokens"), ("QCR_MAX_TURN_REQUESTS", "maxTurnRequests"),
+    ("QCR_REQUEST_TIMEOUT", "requestTimeout"),
+]
+
+
+def load_config(path: Optional[str] = None, env: Optional[dict] = None) -> Config:
+    """Build the configuration from its layers; mistakes are collected, never fatal."""
+    env = os.environ if env is None else env
+    config = Config(home=os.path.join(os.path.expanduser("~"), ".qcr"))
+    user_file = os.path.join(config.home, "config.json")
+    for source, required in ((user_file, False), (path, True)):
+        if source:
+            apply_config(config, read_config_file(config, source, required), source)
+    apply_config(config, {key: env[name] for name, key in ENV_KEYS if env.get(name)},
+                 "the environment")
+    if not config.base_url and config.api_key:
+        config.base_url = "https://api.openai.com/v1"
+    return config
+
+
+def read_config_file(config: Config, path: str, required: bool) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        if required:
+            config.problems.append(f"config file {path} does not exist")
+        return {}
+    except (OSError, ValueError) as e:
+        config.problems.append(f"config file {path} could not be read: {e}")
+        return {}
+    if not isinstance(data, dict):
+        config.problems.append(f"config file {path} must hold a JSON object")
+        return {}
+    return data
+
+
+def apply_config(config: Config, data: dict, source: str) -> None:
+    for key, value in data.items():
+        if key not in CONFIG_KEYS:
+            config.problems.append(f"unknown setting {key!r} in {source} "
+                                   f"(known: {', '.join(CONFIG_KEYS)})")
+            continue
+        attribute, kind = CONFIG_KEYS[key]
+        try:
+            if kind is list:
+                value = [v.strip() for v in value.split(",") if v.strip()] \
+                    if isinstance(value, str) else [str(v) for v in value]
+            elif kind is str:
+                if not isinstance(value, str):
+                    raise TypeError("not a string")
+            else:
+                value = kind(value)
+                if kind is int and value < 1:
+                    raise ValueError("must be at least 1")
+        except (TypeError, ValueError) as e:
+            config.problems.append(f"setting {key!r} in {source} is invalid ({e}); ignored")
+            continue
+        setattr(config, attribute, value)
+
+
+# =============================================================================================
+# 8. Self-test: a scripted model server, and a client that drives `qcr.py --acp`
+# =============================================================================================
+#
+# `qcr.py --selftest` needs no model and no network: it serves a scripted OpenAI-compatible
+# model on 127.0.0.1, starts `qcr.py --acp` as a child over real pipes, plays an editor
+# (answering the permission request), and checks what comes back. The test suite reuses
+# FakeModel with its own scripts.
+
+def sse(obj: Any) -> bytes:
+    """One server-sent event carrying a JSON object ("[DONE]" passes as is)."""
+    return b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
+
+
+def completion_chunk(delta: Optional[dict] = None, finish: Optional[str] = None,
+                     usage: Optional[dict] = None) -> dict:
+    chunk: dict = {"id": "chatcmpl-qcr", "object": "chat.completion.chunk", "model": "scripted",
+                   "choices": [{"index": 0, "delta": delta or {}, "finish_reason": finish}]}
+    if usage:
+        chunk["usage"] = usage
+    return chunk
+
+
+def scripted_reply(text: str = "", calls: tuple = (), finish: Optional[str] = None) -> list:
+    """SSE events for one reply: text in small pieces, tool calls with split arguments."""
+    events = [sse(completion_chunk({"role": "assistant", "content": ""}))]
+    events += [sse(completion_chunk({"content": text[i:i + 8]})) for i in range(0, len(text), 8)]
+    for index, (name, arguments) in enumerate(calls):
+        encoded = json.dumps(arguments)
+        half = len(encoded) // 2
+        events.append(sse(completion_chunk({"tool_calls": [{
+            "index": index, "id": f"call_{index}_{os.urandom(3).hex()}", "type": "function",
+            "function": {"name": name, "arguments": encoded[:half]}}]})))
+        events.append(sse(completion_chunk({"tool_calls": [{
+            "index": index, "function": {"arguments": encoded[half:]}}]})))
+    events.append(sse(completion_chunk(finish=finish or ("tool_calls" if calls else "stop"),
+                                       usage={"prompt_tokens": 100, "completion_tokens": 20,
+                                              "total_tokens": 120})))
+    events.append(sse(b"[DONE]"))
+    return events
+
+
+class FakeModel:
+    """An OpenAI-compatible chat server on 127.0.0.1 that answers from a script.
+
+    `respond(body)` gets each request's JSON body and returns either a list of steps --
+    bytes are written and flushed, a float pauses that many seconds, "drop" cuts the
+    connection -- or a (status, JSON body) pair for an HTTP error.
+    """
+
+    def __init__(self, respond: Callable[[dict], Any]):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        fake = self
+        self.respond, self.requests = respond, []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                fake.requests.append(body)
+                fake.serve(self, body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def serve(self, handler: Any, body: dict) -> None:
+        steps = self.respond(body)
+        try:
+            if isinstance(steps, tuple):
+                status, payload = steps
+                data = json.dumps(payload).encode()
+                handler.send_response(status)
+                handler.send_header("Content-Type", "application/json")
+                handler.send_header("Content-Length", str(len(data)))
+                handler.end_headers()
+                handler.wfile.write(data)
+                return
+            handler.send_response(200)
+            handler.send_header("Content-Type", "text/event-stream")
+            handler.end_headers()
+            for step in steps:
+                if step == "drop":
+                    return
+                if isinstance(step, float):
+                    time.sleep(step)
+                else:
+                    handler.wfile.write(step)
+                    handler.wfile.flush()
+        except OSError:      # the client went away (a cancelled turn)
+            pass
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def selftest_script(body: dict) -> Any:
+    """The scripted model of --selftest: read, edit, plan, answer -- or talk slowly."""
+    messages = body.get("messages", [])
+    last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    if "slowly" in messages[last_user]["content"]:
+        return [sse(completion_chunk({"content": "Thinking about it"}))] + \
+               [0.05, sse(completion_chunk({"content": "."}))] * 200 + scripted_reply("Done.")
+    step = sum(m["role"] == "assistant" for m in messages[last_user:])
+    script = [
+        ("Let me look at the file first.", (("ReadFile", {"path": "hello.py"}),)),
+        ("", (("EditFile", {"path": "hello.py", "old_string": "world",
+                            "new_string": "qcr"}),)),
+        ("", (("TodoWrite", {"todos": [
+            {"content": "Read hello.py", "status": "completed", "priority": "medium"},
+            {"content": "Greet qcr instead of the world", "status": "completed",
+             "priority": "high"}]}),)),
+        ("Done: hello.py now greets qcr.", ()),
+    ]
+    text, calls = script[min(step, len(script) - 1)]
+    return scripted_reply(text, calls)
+
+
+class SelftestClient:
+    """A minimal ACP client over the pipes of a child `qcr.py --acp`."""
+
+    def __init__(self, argv: list, env: dict, cwd: str):
+        import queue
+        import subprocess
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, env=env, cwd=cwd)
+        self.frames: Any = queue.Queue()
+        self.bad_lines: list = []
+        self.next_id = 0
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                self.frames.put(json.loads(line))
+            except ValueError:
+                self.bad_lines.append(line)
+        self.frames.put(None)
+
+    def send(self, message: dict) -> None:
+        self.proc.stdin.write(encode_frame(message))
+        self.proc.stdin.flush()
+
+    def request(self, method: str, params: dict, on_update: Optional[Callable] = None,
+                timeout: float = 20.0) -> tuple:
+        """Send a request; return (response, updates seen, permission requests answered)."""
+        request_id, self.next_id = self.next_id, self.next_id + 1
+        self.send({"jsonrpc": "2.0", "id": request_id, "method": method, "params": params})
+        updates, permissions = [], []
+        deadline = time.monotonic() + timeout
+        while True:
+            frame = self.frames.get(timeout=max(0.01, deadline - time.monotonic()))
+            if frame is None:
+                raise EOFError("qcr closed its stdout")
+            if frame.get("method") == "session/update":
+                updates.append(frame["params"]["update"])
+                if on_update:
+                    on_update(frame["params"]["update"])
+            elif frame.get("method") == "session/request_permission":
+                permissions.append(frame["params"])
+                self.send({"jsonrpc": "2.0", "id": frame["id"], "result": {
+                    "outcome": {"outcome": "selected", "optionId": "allow_once"}}})
+            elif frame.get("id") == request_id:
+                return frame, updates, permissions
+
+
+def selftest() -> int:
+    """Drive `qcr.py --acp` through a real session and print what passed."""
+    import tempfile
+    results: list = []
+
+    def check(name: str, ok: bool, detail: Any = "") -> None:
+        results.append(ok)
+        sys.stdout.write(f"{'ok  ' if ok else 'FAIL'}  {name}"
+                         f"{'' if ok or detail == '' else f'  ({detail})'}\n")
+        sys.stdout.flush()
+
+    model = FakeModel(selftest_script)
+    with tempfile.TemporaryDirectory(prefix="qcr-selftest-") as home:
+        project = os.path.join(home, "project")
+        os.makedirs(project)
+        write_text(os.path.join(project, "hello.py"), 'print("hello, world")\n')
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "QCR_"))}
+        env.update(HOME=home, QCR_BASE_URL=model.url, QCR_MODEL="scripted")
+        client = SelftestClient([sys.executable, os.path.abspath(__file__), "--acp"],
+                                env, project)
+        try:
+            selftest_session(client, project, check)
+        except Exception as e:   # a hang or a crash is one more failure, reported
+            check("the session ran to its end", False, f"{type(e).__name__}: {e}")
+        client.proc.stdin.close()
+        try:
+            code = client.proc.wait(timeout=5)
+        except Exception:
+            client.proc.kill()
+            code = None
+        check("stdin EOF: qcr exits with status 0", code == 0, code)
+        sessions = os.path.join(home, ".qcr", "sessions")
+        saved = os.listdir(sessions) if os.path.isdir(sessions) else []
+        check("the session was saved to ~/.qcr/sessions", len(saved) == 1, saved)
+        check("stdout carried protocol frames only", not client.bad_lines, client.bad_lines[:2])
+        stderr = client.proc.stderr.read().decode("utf-8", "replace")
+        check("stderr stayed quiet", not stderr.strip(), stderr[:300])
+    model.close()
+    passed = sum(results)
+    sys.stdout.write(f"selftest: {passed} passed, {len(results) - passed} failed\n")
+    return 0 if passed == len(results) else 1
+
+
+def selftest_session(client: SelftestClient, project: str, check: Callable) -> None:
+    reply, _, _ = client.request("initialize", {
+        "protocolVersion": 1, "clientCapabilities": {},
+        "clientInfo": {"name": "qcr-selftest", "version": __version__}})
+    result = reply.get("result", {})
+    check("initialize answers protocolVersion 1", result.get("protocolVersion") == 1, reply)
+    reply, _, _ = client.request("session/new", {"cwd": project, "mcpServers": []})
+    result = reply.get("result", {})
+    session_id = result.get("sessionId", "")
+    check("session/new gives a session with modes and config options",
+          SESSION_ID_RE.fullmatch(session_id) is not None and "configOptions" in result and
+          result.get("modes", {}).get("currentModeId") == "default", reply)
+
+    reply, updates, permissions = client.request("session/prompt", {
+        "sessionId": session_id, "prompt": [{"type": "text", "text": "Greet qcr in hello.py"}]})
+    check("the prompt ends with end_turn", reply.get("result") == {"stopReason": "end_turn"},
+          reply)
+    kinds = [u["sessionUpdate"] for u in updates]
+    calls = {u["toolCallId"]: u for u in updates if u["sessionUpdate"] == "tool_call"}
+    final = {u["toolCallId"]: u.get("status") for u in updates
+             if u["sessionUpdate"] == "tool_call_update" and "status" in u}
+    check("answer text streams as agent_message_chunk", "agent_message_chunk" in kinds, kinds)
+    check("ReadFile and EditFile are shown as read and edit tool calls",
+          [c["kind"] for c in calls.values()][:2] == ["read", "edit"], list(calls.values()))
+    check("every tool call completes", calls and all(final.get(c) == "completed"
+                                                     for c in calls), final)
+    check("the edit asked for permission, showing the diff", len(permissions) == 1 and
+          permissions[0]["toolCall"]["content"][0]["type"] == "diff", permissions)
+    with open(os.path.join(project, "hello.py"), encoding="utf-8") as f:
+        check("hello.py was edited on disk", f.read() == 'print("hello, qcr")\n')
+    plans = [u for u in updates if u["sessionUpdate"] == "plan"]
+    check("the to-do list arrives as a plan", plans and len(plans[-1]["entries"]) == 2, plans)
+
+    started = []
+
+    def cancel_on_first_chunk(update: dict) -> None:
+        if update["sessionUpdate"] == "agent_message_chunk" and not started:
+            started.append(time.monotonic())
+            client.send({"jsonrpc": "2.0", "method": "session/cancel",
+                         "params": {"sessionId": session_id}})
+    reply, _, _ = client.request("session/prompt", {
+        "sessionId": session_id, "prompt": [{"type": "text", "text": "Talk slowly"}]},
+        on_update=cancel_on_first_chunk)
+    elapsed = time.monotonic() - started[0] if started else None
+    check("session/cancel ends a streaming turn with cancelled",
+          reply.get("result") == {"stopReason": "cancelled"}, reply)
+    check("the cancel was answered within 200 ms", elapsed is not None and elapsed < 0.2,
+          f"{elapsed}s")
+
+
+# =============================================================================================
+# 9. CLI
+# =============================================================================================
+
+def make_trace(target: Optional[str]) -> Optional[Callable[[str, bytes], None]]:
+    """--trace: every frame, both ways, with a timestamp; "->" is in, "<-" is out."""
+    if target is None:
+        return None
+    stream = sys.stderr if target == "-" else open(target, "a", encoding="utf-8")
+
+    def trace(direction: str, frame: bytes) -> None:
+        now = time.time()
+        stamp = time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now * 1000) % 1000:03d}"
+        stream.write(f"{stamp} {direction} {frame.decode('utf-8', 'replace').rstrip()}\n")
+        stream.flush()
+    return trace
+
+
+async def stdin_reader() -> asyncio.StreamReader:
+    """stdin as an asyncio stream: a pipe directly, a terminal or file through a thread."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=MAX_FRAME_BYTES)
+    mode = os.fstat(0).st_mode
+    if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
+                                     os.fdopen(0, "rb", buffering=0, closefd=False))
+        return reader
+
+    def pump() -> None:
+        while True:
+            data = os.read(0, 1 << 16)
+            if not data:
+                break
+            loop.call_soon_threadsafe(reader.feed_data, data)
+        loop.call_soon_threadsafe(reader.feed_eof)
+    threading.Thread(target=pump, daemon=True, name="qcr-stdin").start()
+    return reader
+
+
+async def serve(config: Config, write: Callable[[bytes], None], trace: Any) -> None:
+    agent = Agent(config)
+    agent.conn = Connection(write, agent.on_request, agent.on_notification, trace)
+    await agent.conn.serve(await stdin_reader())
+    await agent.shutdown()
+
+
+def serve_acp(config: Config, trace: Optional[str]) -> int:
+    """--acp: protocol frames on the real stdout; everything else is kept off it."""
+    frames = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)                # a stray print, or a child's output, lands on stderr
+    sys.stdout = sys.stderr
+    broken = []
+
+    def write(data: bytes) -> None:
+        if not broken:
+            try:
+                frames.write(data)
+                frames.flush()
+            except OSError:      # the client closed our stdout; keep going quietly
+                broken.append(True)
+
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    loop.run_until_complete(serve(config, write, make_trace(trace)))
+    sys.stderr.flush()
+    os._exit(0)     # threads blocked in reads must not hold the exit up
+
+
+def main(argv: Optional[list] = None) -> int:
+    import argparse
+    parser = argparse.ArgumentParser(
+        prog="qcr.py", description="A coding agent for editors that speak the Agent Client "
+        "Protocol (Zed, JetBrains, Neovim, Emacs).",
+        epilog="Configuration: ~/.qcr/config.json, or OPENAI_BASE_URL, OPENAI_MODEL and "
+        "OPENAI_API_KEY in the environment (QCR_* variables override them). See the README.")
+    parser.add_argument("--acp", action="store_true",
+                        help="serve ACP on stdin/stdout (what an editor runs)")
+    parser.add_argument("--selftest", action="store_true",
+                        help="run a scripted session against qcr itself; no model needed")
+    parser.add_argument("--config", metavar="FILE", help="read settings from this JSON file")
+    parser.add_argument("--trace", nargs="?", const="-", metavar="FILE",
+                        help="log every frame in both directions to FILE (default: stderr)")
+    parser.add_argument("--version", action="version", version=f"qcr {__version__}")
+    args = parser.parse_args(argv)
+    if args.selftest:
+        return selftest()
+    if args.acp:
+        return serve_acp(load_config(args.config), args.trace)
+    parser.print_help()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
