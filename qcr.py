@@ -1538,8 +1538,8 @@ def walk_files(root: str) -> list:
         rel_folder = os.path.relpath(folder, root).replace(os.sep, "/")
         prefix = "" if rel_folder == "." else rel_folder + "/"
         dirs[:] = sorted(d for d in dirs if d != ".git" and not ignored(prefix + d, True, rules))
-        found.extend(prefix + f for f in sorted(files) if not ignored(prefix + f, False, rules))
-    return found
+        found.extend(prefix + f for f in files if not ignored(prefix + f, False, rules))
+    return sorted(found)
 
 
 def gitignore_rules(root: str) -> list:

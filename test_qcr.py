@@ -1,0 +1,1304 @@
+#!/usr/bin/env python3
+"""Tests for qcr.py: the real `qcr.py --acp` process, driven over pipes.
+
+Run:  python3 test_qcr.py          (or: python3 -m unittest -v test_qcr)
+
+Each test starts qcr with a temporary HOME and a fake OpenAI-compatible model server on
+127.0.0.1 (qcr.FakeModel, port 0) that replays a script, then plays the editor: it sends
+real frames, answers qcr's permission requests, and reads real files.
+Sections follow qcr.py's numbering.
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+QCR = os.path.join(HERE, "qcr.py")
+sys.path.insert(0, HERE)
+import qcr  # noqa: E402  (importing runs nothing)
+
+from qcr import completion_chunk, scripted_reply, sse  # noqa: E402
+
+ALLOW = {"outcome": {"outcome": "selected", "optionId": "allow_once"}}
+ALLOW_ALWAYS = {"outcome": {"outcome": "selected", "optionId": "allow_always"}}
+REJECT = {"outcome": {"outcome": "selected", "optionId": "reject_once"}}
+
+
+# =============================================================================================
+# 0. Harness
+# =============================================================================================
+
+class Script:
+    """A fake model's replies, one per request, in order; the last one repeats."""
+
+    def __init__(self, *replies):
+        self.replies = list(replies)
+        self.count = 0
+
+    def __call__(self, body):
+        reply = self.replies[min(self.count, len(self.replies) - 1)]
+        self.count += 1
+        return reply(body) if callable(reply) else reply
+
+
+def slow_reply(chunks=400, pause=0.05):
+    """A reply that streams for a long time: the thing to cancel."""
+    return [sse(completion_chunk({"content": "Working"}))] + \
+        [pause, sse(completion_chunk({"content": "."}))] * chunks + scripted_reply("late")
+
+
+class AcpProcess:
+    """`qcr.py --acp` as a child process, spoken to the way an editor does."""
+
+    def __init__(self, home, cwd, env=None, args=()):
+        environ = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "QCR_"))}
+        environ["HOME"] = home
+        environ.update(env or {})
+        self.proc = subprocess.Popen([sys.executable, QCR, "--acp", *args], cwd=cwd,
+                                     env=environ, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.frames = queue.Queue()
+        self.bad_lines, self.stderr = [], bytearray()
+        self.next_id = 1
+        threading.Thread(target=self._read_stdout, daemon=True).start()
+        threading.Thread(target=self._read_stderr, daemon=True).start()
+
+    def _read_stdout(self):
+        for line in self.proc.stdout:
+            try:
+                frame = json.loads(line)
+                assert isinstance(frame, dict) and frame.get("jsonrpc") == "2.0"
+                self.frames.put(frame)
+            except (ValueError, AssertionError):
+                self.bad_lines.append(line)
+        self.frames.put(None)
+
+    def _read_stderr(self):
+        for line in self.proc.stderr:
+            self.stderr.extend(line)
+
+    def send_raw(self, data: bytes):
+        self.proc.stdin.write(data)
+        self.proc.stdin.flush()
+
+    def send(self, message):
+        self.send_raw(json.dumps(message).encode() + b"\n")
+
+    def request(self, method, params=None, request_id=None):
+        if request_id is None:
+            request_id, self.next_id = self.next_id, self.next_id + 1
+        self.send({"jsonrpc": "2.0", "id": request_id, "method": method,
+                   "params": {} if params is None else params})
+        return request_id
+
+    def notify(self, method, params):
+        self.send({"jsonrpc": "2.0", "method": method, "params": params})
+
+    def recv(self, timeout=10):
+        try:
+            frame = self.frames.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"no frame from qcr within {timeout}s; stderr: "
+                                 f"{self.stderr.decode(errors='replace')[-2000:]}") from None
+        if frame is None:
+            raise AssertionError("qcr closed stdout; stderr: "
+                                 + self.stderr.decode(errors="replace")[-2000:])
+        return frame
+
+    def wait(self, request_id, answer=ALLOW, on_update=None, timeout=15):
+        """Read until the response to request_id: (response, updates, qcr's requests).
+
+        qcr's own requests are answered with `answer(frame)` (or the dict itself); None
+        leaves them unanswered.
+        """
+        updates, requests = [], []
+        deadline = time.monotonic() + timeout
+        while True:
+            frame = self.recv(max(0.05, deadline - time.monotonic()))
+            if frame.get("method") == "session/update":
+                updates.append(frame["params"]["update"])
+                if on_update:
+                    on_update(frame["params"]["update"])
+            elif "method" in frame and "id" in frame:
+                requests.append(frame)
+                result = answer(frame) if callable(answer) else answer
+                if result is not None:
+                    self.send({"jsonrpc": "2.0", "id": frame["id"], "result": result})
+            elif "method" not in frame and frame.get("id") == request_id:
+                return frame, updates, requests
+
+    def call(self, method, params=None, **kw):
+        return self.wait(self.request(method, params), **kw)
+
+    def close(self, timeout=5):
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            return None
+
+
+class AcpTestCase(unittest.TestCase):
+    """A temporary HOME and project, a fake model, and qcr processes that are cleaned up."""
+
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp(prefix="qcr-test-")
+        self.addCleanup(shutil.rmtree, self.tmp, True)
+        self.home = os.path.join(self.tmp, "home")
+        self.project = os.path.join(self.tmp, "project")
+        os.makedirs(self.home)
+        os.makedirs(self.project)
+        self.model = None
+        self.agents = []
+
+    def tearDown(self):
+        for agent in self.agents:
+            if agent.proc.poll() is None:
+                agent.proc.kill()
+                agent.proc.wait()
+            for stream in (agent.proc.stdin, agent.proc.stdout, agent.proc.stderr):
+                try:
+                    stream.close()
+                except OSError:
+                    pass
+        if self.model:
+            self.model.close()
+
+    def fake_model(self, *replies):
+        self.model = qcr.FakeModel(Script(*replies))
+        return self.model
+
+    def start(self, env=None, args=(), model="test-model"):
+        environ = {}
+        if self.model and model:
+            environ.update(QCR_BASE_URL=self.model.url, QCR_MODEL=model)
+        environ.update(env or {})
+        agent = AcpProcess(self.home, self.project, environ, args)
+        self.agents.append(agent)
+        return agent
+
+    def new_session(self, agent, cwd=None, capabilities=None):
+        response, _, _ = agent.call("initialize", {"protocolVersion": 1,
+                                                   "clientCapabilities": capabilities or {}})
+        self.assertEqual(response["result"]["protocolVersion"], 1)
+        response, _, _ = agent.call("session/new", {"cwd": cwd or self.project,
+                                                    "mcpServers": []})
+        return response["result"]["sessionId"]
+
+    def prompt(self, agent, session_id, text, **kw):
+        return agent.call("session/prompt", {"sessionId": session_id,
+                                             "prompt": [{"type": "text", "text": text}]}, **kw)
+
+    def write(self, name, text):
+        path = os.path.join(self.project, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+        return path
+
+    def read(self, name):
+        with open(os.path.join(self.project, name), encoding="utf-8", newline="") as f:
+            return f.read()
+
+    # -- domain assertions ------------------------------------------------------------------
+    def assertResult(self, response, result=None):
+        self.assertNotIn("error", response, response)
+        if result is not None:
+            self.assertEqual(response["result"], result)
+
+    def assertRpcError(self, response, code, mentions=None):
+        self.assertIn("error", response, response)
+        self.assertEqual(response["error"]["code"], code, response)
+        self.assertNotIn("result", response)
+        if mentions:
+            self.assertIn(mentions, json.dumps(response["error"]))
+
+    def assertClean(self, agent):
+        """Nothing but frames on stdout, and nothing on stderr."""
+        self.assertEqual(agent.bad_lines, [])
+        self.assertEqual(agent.stderr.decode(errors="replace"), "")
+
+    def tool_messages(self, request_index=-1):
+        """The tool results the model got in one request."""
+        return [m["content"] for m in self.model.requests[request_index]["messages"]
+                if m["role"] == "tool"]
+
+
+def kinds(updates):
+    return [u["sessionUpdate"] for u in updates]
+
+
+def text_of(updates, kind="agent_message_chunk"):
+    return "".join(u["content"]["text"] for u in updates if u["sessionUpdate"] == kind)
+
+
+def final_status(updates):
+    """toolCallId -> the last status reported."""
+    status = {}
+    for u in updates:
+        if u["sessionUpdate"] in ("tool_call", "tool_call_update") and "status" in u:
+            status[u["toolCallId"]] = u["status"]
+    return status
+
+
+def tool_updates(updates):
+    return [u for u in updates if u["sessionUpdate"] in ("tool_call", "tool_call_update")]
+
+
+def calls(*pairs):
+    """A reply that calls the tools given as (name, arguments) pairs."""
+    return scripted_reply(calls=pairs)
+
+
+# =============================================================================================
+# 1. Wire
+# =============================================================================================
+
+class TestWire(AcpTestCase):
+    BAD_FRAMES = [   # (raw line, expected error code, expected id)
+        (b"{not json", qcr.PARSE_ERROR, None),
+        (b"\xff\xfe invalid utf-8", qcr.PARSE_ERROR, None),
+        (b"[" * 100000 + b"]" * 100000, qcr.PARSE_ERROR, None),
+        (b'[{"jsonrpc":"2.0","id":1,"method":"initialize"}]', qcr.INVALID_REQUEST, None),
+        (b'"a string"', qcr.INVALID_REQUEST, None),
+        (b'{"jsonrpc":"2.0","id":{"x":1},"method":"initialize"}', qcr.INVALID_REQUEST, None),
+        (b'{"jsonrpc":"2.0","id":true,"method":"initialize"}', qcr.INVALID_REQUEST, None),
+        (b'{"jsonrpc":"1.0","id":7,"method":"initialize"}', qcr.INVALID_REQUEST, 7),
+        (b'{"jsonrpc":"2.0","id":8,"method":42}', qcr.INVALID_REQUEST, 8),
+        (b'{"jsonrpc":"2.0","id":9}', qcr.INVALID_REQUEST, 9),
+        (b'{"jsonrpc":"2.0","id":10,"method":"no/such"}', qcr.METHOD_NOT_FOUND, 10),
+        (b'{"jsonrpc":"2.0","id":11,"method":"initialize","params":[1]}', qcr.INVALID_PARAMS, 11),
+        (b'{"jsonrpc":"2.0","id":12,"method":"initialize","params":{}}', qcr.INVALID_PARAMS, 12),
+        (b'{"jsonrpc":"2.0","id":"s","method":"session/new","params":{}}',
+         qcr.INVALID_PARAMS, "s"),
+    ]
+
+    def test_bad_frames_get_the_right_error_and_the_loop_goes_on(self):
+        agent = self.start()
+        for raw, code, request_id in self.BAD_FRAMES:
+            with self.subTest(raw=raw[:60]):
+                agent.send_raw(raw + b"\n")
+                response = agent.recv()
+                self.assertRpcError(response, code)
+                self.assertEqual(response["id"], request_id)
+        response, _, _ = agent.call("initialize", {"protocolVersion": 1})
+        self.assertEqual(response["result"]["protocolVersion"], 1)
+        self.assertClean(agent)
+
+    def test_error_messages_name_the_method_and_the_field(self):
+        agent = self.start()
+        response, _, _ = agent.call("session/fly", {})
+        self.assertRpcError(response, qcr.METHOD_NOT_FOUND, "session/fly")
+        response, _, _ = agent.call("session/new", {"mcpServers": []})
+        self.assertRpcError(response, qcr.INVALID_PARAMS, "cwd")
+        self.assertEqual(response["error"]["data"], {"field": "cwd"})
+
+    def test_ids_are_echoed_with_their_type(self):
+        agent = self.start()
+        for request_id in ("0b3c1e2a-uuid-like", 0, 2 ** 53, "7", -3):
+            with self.subTest(id=request_id):
+                response, _, _ = agent.wait(agent.request("initialize", {"protocolVersion": 1},
+                                                          request_id=request_id))
+                self.assertEqual(response["id"], request_id)
+                self.assertIs(type(response["id"]), type(request_id))
+
+    def test_notifications_and_stray_responses_get_no_answer(self):
+        agent = self.start()
+        agent.notify("notifications/initialized", {})
+        agent.notify("$/cancel_request", {"requestId": 1})
+        agent.notify("session/cancel", {"sessionId": "acp-unknown"})
+        agent.send({"jsonrpc": "2.0", "id": 999, "result": {}})
+        agent.send({"jsonrpc": "2.0", "id": 998, "error": {"code": 1, "message": "x"}})
+        response, _, _ = agent.call("initialize", {"protocolVersion": 1}, timeout=5)
+        self.assertEqual(response["id"], 1)     # the first frame back answers our request
+        self.assertClean(agent)
+
+    def test_a_ten_mebibyte_frame_is_accepted(self):
+        self.fake_model(scripted_reply("Read it all."))
+        agent = self.start()
+        session_id = self.new_session(agent)
+        big = "x" * (10 * 1024 * 1024)
+        response, updates, _ = agent.call("session/prompt", {"sessionId": session_id, "prompt": [
+            {"type": "text", "text": "Summarise"},
+            {"type": "resource", "resource": {"uri": "file:///big.txt", "text": big}}]},
+            timeout=60)
+        self.assertResult(response, {"stopReason": "end_turn"})
+        self.assertIn(big, self.model.requests[0]["messages"][-1]["content"])
+        self.assertEqual(text_of(updates), "Read it all.")
+
+    def test_stdin_eof_exits_zero_even_mid_turn(self):
+        self.fake_model(slow_reply())
+        agent = self.start()
+        session_id = self.new_session(agent)
+        request_id = agent.request("session/prompt", {"sessionId": session_id, "prompt": [
+            {"type": "text", "text": "go"}]})
+        self.assertEqual(agent.recv()["params"]["update"]["sessionUpdate"],
+                         "session_info_update")
+        agent.recv()    # the stream has begun
+        start = time.monotonic()
+        self.assertEqual(agent.close(timeout=5), 0)
+        self.assertLess(time.monotonic() - start, 5)
+        frames = []
+        while True:
+            try:
+                frame = agent.frames.get(timeout=1)
+            except queue.Empty:
+                break
+            if frame is None:
+                break
+            frames.append(frame)
+        answers = [f for f in frames if f.get("id") == request_id]
+        self.assertEqual([a.get("result") for a in answers], [{"stopReason": "cancelled"}])
+        self.assertClean(agent)
+
+
+class TestConnectionInProcess(unittest.TestCase):
+    """The error boundary, with handlers that crash on purpose."""
+
+    def run_lines(self, lines, on_request):
+        import asyncio
+        written = []
+
+        async def go():
+            conn = qcr.Connection(written.append, on_request, lambda m, p: None)
+            reader = asyncio.StreamReader()
+            reader.feed_data(b"".join(lines))
+            reader.feed_eof()
+            await conn.serve(reader)
+            await asyncio.gather(*conn.tasks)
+        asyncio.run(go())
+        return [json.loads(w) for w in written]
+
+    def test_a_crashing_handler_gives_internal_error_and_the_loop_goes_on(self):
+        async def on_request(method, params):
+            if method == "boom":
+                raise KeyError("oops")
+            return {"ok": method}
+        stderr = sys.stderr
+        sys.stderr = open(os.devnull, "w")
+        try:
+            out = self.run_lines([b'{"jsonrpc":"2.0","id":1,"method":"boom"}\n',
+                                  b'{"jsonrpc":"2.0","id":2,"method":"fine"}\n'], on_request)
+        finally:
+            sys.stderr.close()
+            sys.stderr = stderr
+        by_id = {o["id"]: o for o in out}
+        self.assertEqual(by_id[1]["error"]["code"], qcr.INTERNAL_ERROR)
+        self.assertIn("KeyError", by_id[1]["error"]["message"])
+        self.assertEqual(by_id[2]["result"], {"ok": "fine"})
+
+    def test_empty_results_are_objects_never_null(self):
+        async def on_request(method, params):
+            return None
+        out = self.run_lines([b'{"jsonrpc":"2.0","id":"a","method":"x"}\n'], on_request)
+        self.assertEqual(out, [{"jsonrpc": "2.0", "id": "a", "result": {}}])
+
+
+# =============================================================================================
+# 2. ACP handlers
+# =============================================================================================
+
+class TestInitialize(AcpTestCase):
+    def test_any_protocol_version_is_answered_with_1(self):
+        agent = self.start()
+        for version in (1, "1", "2025-07-09", 2, None, {"weird": True}):
+            with self.subTest(version=version):
+                response, _, _ = agent.call("initialize", {"protocolVersion": version})
+                self.assertEqual(response["result"]["protocolVersion"], 1)
+
+    def test_capabilities_and_agent_info(self):
+        agent = self.start()
+        response, _, _ = agent.call("initialize", {"protocolVersion": "2025-07-09",
+                                                   "capabilities": {}})
+        result = response["result"]
+        self.assertEqual(result["agentInfo"]["name"], "qcr")
+        self.assertEqual(result["agentInfo"]["version"], qcr.__version__)
+        self.assertEqual(result["authMethods"], [])
+        caps = result["agentCapabilities"]
+        self.assertTrue(caps["loadSession"])
+        self.assertEqual(caps["promptCapabilities"],
+                         {"image": False, "audio": False, "embeddedContext": True})
+        self.assertEqual(caps["mcpCapabilities"], {"http": False, "sse": False})
+
+
+class TestSessionSetup(AcpTestCase):
+    def test_new_session_has_modes_and_config_options_in_sync(self):
+        agent = self.start(env={"QCR_MODEL": "m1", "QCR_MODELS": "m1,m2"})
+        agent.call("initialize", {"protocolVersion": 1})
+        response, _, _ = agent.call("session/new", {"cwd": self.project, "mcpServers": []})
+        result = response["result"]
+        self.assertRegex(result["sessionId"], r"^acp-[0-9a-f]{16}-[0-9a-f]{16}$")
+        self.assertEqual(result["modes"]["currentModeId"], "default")
+        self.assertEqual([m["id"] for m in result["modes"]["availableModes"]],
+                         ["default", "plan", "auto-edit"])
+        options = {o["id"]: o for o in result["configOptions"]}
+        self.assertEqual(options["mode"]["currentValue"], "default")
+        self.assertEqual(options["mode"]["category"], "mode")
+        self.assertEqual(options["model"]["currentValue"], "m1")
+        self.assertEqual([o["value"] for o in options["model"]["options"]], ["m1", "m2"])
+        other, _, _ = agent.call("session/new", {"cwd": self.project, "mcpServers": []})
+        self.assertNotEqual(other["result"]["sessionId"], result["sessionId"])
+
+    def test_cwd_must_be_an_absolute_existing_directory(self):
+        agent = self.start()
+        file_path = self.write("a.txt", "x")
+        for cwd in ("relative/dir", os.path.join(self.tmp, "missing"), file_path, 42, None):
+            with self.subTest(cwd=cwd):
+                response, _, _ = agent.call("session/new", {"cwd": cwd, "mcpServers": []})
+                self.assertRpcError(response, qcr.INVALID_PARAMS, "cwd")
+        response, _, _ = agent.call("session/new", {"cwd": self.project, "mcpServers": "x"})
+        self.assertRpcError(response, qcr.INVALID_PARAMS, "mcpServers")
+
+    def test_set_mode_and_config_options(self):
+        agent = self.start(env={"QCR_MODEL": "m1", "QCR_MODELS": "m2"})
+        session_id = self.new_session(agent)
+        response, updates, _ = agent.call("session/set_mode", {"sessionId": session_id,
+                                                               "modeId": "plan"})
+        self.assertResult(response, {})
+        self.assertEqual(kinds(updates), ["current_mode_update", "config_option_update"])
+        self.assertEqual(updates[0]["currentModeId"], "plan")
+        response, updates, _ = agent.call("session/set_config_option", {
+            "sessionId": session_id, "configId": "mode", "value": "auto-edit"})
+        options = {o["id"]: o for o in response["result"]["configOptions"]}
+        self.assertEqual(options["mode"]["currentValue"], "auto-edit")
+        self.assertEqual(updates[0], {"sessionUpdate": "current_mode_update",
+                                      "currentModeId": "auto-edit"})
+        response, _, _ = agent.call("session/set_config_option", {
+            "sessionId": session_id, "configId": "model", "value": "m2"})
+        options = {o["id"]: o for o in response["result"]["configOptions"]}
+        self.assertEqual(options["model"]["currentValue"], "m2")
+        bad = [("session/set_mode", {"modeId": "yolo"}, "modeId"),
+               ("session/set_config_option", {"configId": "speed", "value": "x"}, "configId"),
+               ("session/set_config_option", {"configId": "model", "value": "m9"}, "value"),
+               ("session/set_config_option", {"configId": "mode", "value": 3}, "value")]
+        for method, params, field_name in bad:
+            with self.subTest(params=params):
+                response, _, _ = agent.call(method, dict(params, sessionId=session_id))
+                self.assertRpcError(response, qcr.INVALID_PARAMS, field_name)
+
+    def test_unknown_session_is_resource_not_found(self):
+        agent = self.start()
+        self.new_session(agent)
+        for method, extra in (("session/prompt", {"prompt": []}),
+                              ("session/set_mode", {"modeId": "plan"})):
+            with self.subTest(method=method):
+                response, _, _ = agent.call(method, dict(extra, sessionId="acp-nope"))
+                self.assertRpcError(response, qcr.RESOURCE_NOT_FOUND)
+                self.assertEqual(response["error"]["data"], {"sessionId": "acp-nope"})
+
+    def test_malformed_prompt_blocks_are_invalid_params(self):
+        agent = self.start()
+        session_id = self.new_session(agent)
+        for prompt, field_name in (("hi", "prompt"), ([{"type": "text"}], "prompt[0].text"),
+                                   ([{"type": "video"}], "prompt[0].type"), ([7], "prompt[0]"),
+                                   ([{"type": "resource", "resource": {}}],
+                                    "prompt[0].resource")):
+            with self.subTest(prompt=prompt):
+                response, _, _ = agent.call("session/prompt", {"sessionId": session_id,
+                                                               "prompt": prompt})
+                self.assertRpcError(response, qcr.INVALID_PARAMS, field_name)
+
+
+# =============================================================================================
+# 3. Sessions: persistence and load
+# =============================================================================================
+
+class TestPersistence(AcpTestCase):
+    def session_file(self, session_id):
+        return os.path.join(self.home, ".qcr", "sessions", session_id + ".json")
+
+    def test_saved_after_each_step_and_loaded_after_restart(self):
+        self.write("a.py", "x = 1\n")
+        self.fake_model(calls(("EditFile", {"path": "a.py", "old_string": "1",
+                                            "new_string": "2"})),
+                        scripted_reply("Changed it."))
+        agent = self.start()
+        session_id = self.new_session(agent)
+        seen_on_disk = []
+
+        def answer(frame):   # while permission is pending, the model's reply reaches disk
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                with open(self.session_file(session_id), encoding="utf-8") as f:
+                    messages = json.load(f)["messages"]
+                if len(messages) > 1:
+                    break
+                time.sleep(0.02)
+            seen_on_disk.append(messages)
+            return ALLOW
+        response, updates, _ = self.prompt(agent, session_id, "make it 2", answer=answer)
+        self.assertResult(response, {"stopReason": "end_turn"})
+        self.assertEqual([m["role"] for m in seen_on_disk[0]], ["user", "assistant"])
+        self.assertEqual(seen_on_disk[0][1]["tool_calls"][0]["function"]["name"], "EditFile")
+        self.assertEqual(agent.close(), 0)
+        with open(self.session_file(session_id), encoding="utf-8") as f:
+            saved = json.load(f)
+        self.assertEqual([m["role"] for m in saved["messages"]],
+                         ["user", "assistant", "tool", "assistant"])
+        self.assertEqual(saved["title"], "make it 2")
+        self.assertNotIn("apiKey", json.dumps(saved))
+
+        agent = self.start()
+        agent.call("initialize", {"protocolVersion": 1})
+        response, replay, _ = agent.call("session/load", {"sessionId": session_id,
+                                                          "cwd": self.project,
+                                                          "mcpServers": []})
+        self.assertEqual(response["result"]["modes"]["currentModeId"], "default")
+        self.assertEqual(kinds(replay), ["user_message_chunk", "tool_call",
+                                         "agent_message_chunk", "session_info_update"])
+        self.assertEqual(replay[0]["content"]["text"], "make it 2")
+        call = replay[1]
+        self.assertEqual((call["kind"], call["status"]), ("edit", "completed"))
+        self.assertEqual(call["content"][0], {"type": "diff", "path": os.path.join(
+            self.project, "a.py"), "oldText": "x = 1\n", "newText": "x = 2\n"})
+        self.assertEqual(call["rawInput"], {"path": "a.py", "old_string": "1", "new_string": "2"})
+        self.assertEqual(text_of(replay), "Changed it.")
+        live = [u for u in updates if u["sessionUpdate"] == "tool_call"][0]
+        self.assertEqual(call["toolCallId"], live["toolCallId"])
+        # and the conversation goes on where it was
+        response, _, _ = self.prompt(agent, session_id, "thanks")
+        self.assertResult(response, {"stopReason": "end_turn"})
+        self.assertEqual([m["role"] for m in self.model.requests[-1]["messages"]],
+                         ["system", "user", "assistant", "tool", "assistant", "user"])
+
+    def test_load_refuses_foreign_ids_and_reports_missing_and_damaged_files(self):
+        agent = self.start()
+        agent.call("initialize", {"protocolVersion": 1})
+        params = {"cwd": self.project, "mcpServers": []}
+        for bad in ("../../etc/passwd", "acp-../x", "/tmp/x", "acp-1-2"):
+            with self.subTest(id=bad):
+                response, _, _ = agent.call("session/load", dict(params, sessionId=bad))
+                self.assertRpcError(response, qcr.INVALID_PARAMS, "sessionId")
+        missing = "acp-" + "0" * 16 + "-" + "1" * 16
+        response, _, _ = agent.call("session/load", dict(params, sessionId=missing))
+        self.assertRpcError(response, qcr.RESOURCE_NOT_FOUND)
+        self.assertEqual(response["error"]["data"], {"sessionId": missing})
+        damaged = "acp-" + "2" * 16 + "-" + "3" * 16
+        os.makedirs(os.path.dirname(self.session_file(damaged)), exist_ok=True)
+        with open(self.session_file(damaged), "w") as f:
+            f.write('{"sessionId": "acp-')
+        response, _, _ = agent.call("session/load", dict(params, sessionId=damaged))
+        self.assertRpcError(response, qcr.INTERNAL_ERROR, "damaged")
+        response, _, _ = agent.call("initialize", {"protocolVersion": 1})
+        self.assertResult(response)
+
+
+# =============================================================================================
+# 4. Provider: the model server, well and badly behaved
+# =============================================================================================
+
+class TestProvider(AcpTestCase):
+    def test_streaming_text_thoughts_and_request_shape(self):
+        self.fake_model([sse(completion_chunk({"reasoning_content": "Hmm, "})),
+                         sse(completion_chunk({"reasoning": "let me see."})),
+                         sse(completion_chunk({"content": None})),
+                         sse(completion_chunk({"content": "Hello"})),
+                         sse(completion_chunk({"content": " there"}, finish="stop")),
+                         sse(b"[DONE]")])
+        agent = self.start(env={"QCR_API_KEY": "sk-test", "QCR_TEMPERATURE": "0.2"})
+        session_id = self.new_session(agent)
+        response, updates, _ = self.prompt(agent, session_id, "hi")
+        self.assertResult(response, {"stopReason": "end_turn"})
+        self.assertEqual(text_of(updates, "agent_thought_chunk"), "Hmm, let me see.")
+        self.assertEqual(text_of(updates), "Hello there")
+        body = self.model.requests[0]
+        self.assertTrue(body["stream"])
+        self.assertEqual(body["stream_options"], {"include_usage": True})
+        self.assertEqual(body["model"], "test-model")
+        self.assertEqual(body["temperature"], 0.2)
+        self.assertEqual(body["messages"][0]["role"], "system")
+        self.assertEqual(body["messages"][-1], {"role": "user", "content": "hi"})
+        self.assertIn("ReadFile", [t["function"]["name"] for t in body["tools"]])
+        self.assertClean(agent)
+
+    def test_o_series_and_codex_models_get_no_sampling_params(self):
+        for model, sent in (("o3-mini", False), ("openai/o1", False), ("gpt-5.2-codex", False),
+                            ("gpt-4o", True), ("qwen3-coder", True)):
+            with self.subTest(model=model):
+                self.assertEqual(qcr.takes_sampling_params(model), sent)
+        self.fake_model(scripted_reply("ok"))
+        agent = self.start(env={"QCR_TEMPERATURE": "0.5"}, model="o4-mini")
+        self.prompt(agent, self.new_session(agent), "hi")
+        self.assertNotIn("temperature", self.model.requests[0])
+        self.assertNotIn("top_p", self.model.requests[0])
+
+    def test_tool_call_deltas_are_assembled(self):
+        args = json.dumps({"path": "a.txt"})
+        pieces = [args[i:i + 3] for i in range(0, len(args), 3)]
+        stream = [sse(completion_chunk({"tool_calls": [{"index": 0, "id": "c1", "type":
+                  "function", "function": {"name": "ReadFile", "arguments": ""}}]}))]
+        stream += [sse(completion_chunk({"tool_calls": [{"index": 0, "function": {
+            "arguments": p}}]})) for p in pieces]
+        stream += [sse(completion_chunk({"tool_calls": [{"index": 1, "id": "c2", "function": {
+            "name": "LS", "arguments": "{}"}}]}))]   # a second call, whole in one delta
+        stream += [sse(completion_chunk(finish="tool_calls")), sse(b"[DONE]")]
+        self.write("a.txt", "alpha\n")
+        self.fake_model(stream, scripted_reply("done"))
+        agent = self.start()
+        response, updates, _ = self.prompt(agent, self.new_session(agent), "read")
+        self.assertResult(response, {"stopReason": "end_turn"})
+        self.assertEqual([u["title"] for u in updates if u["sessionUpdate"] == "tool_call"],
+                         ["Read a.txt", "List ."])
+        sent = self.model.requests[1]["messages"]
+        self.assertEqual([c["id"] for c in sent[2]["tool_calls"]], ["c1", "c2"])
+        self.assertEqual(sent[3], {"role": "tool", "tool_call_id": "c1",
+                                   "content": "     1\talpha"})
+
+    def test_a_server_that_ignores_stream_is_understood(self):
+        whole = {"choices": [{"message": {"role": "assistant", "content": "Whole answer"},
+                              "finish_reason": "stop"}]}
+
+        class Whole(Script):
+            pass
+        self.model = qcr.FakeModel(lambda body: (200, whole))
+        agent = self.start()
+        response, updates, _ = self.prompt(agent, self.new_session(agent), "hi")
+        self.assertResult(response, {"stopReason": "end_turn"})
+        self.assertEqual(text_of(updates), "Whole answer")
+
+    def test_stop_reasons(self):
+        cases = [([sse(completion_chunk({"content": "cut"}, finish="length")), sse(b"[DONE]")],
+                  "max_tokens"),
+                 ([sse(completion_chunk({"content": ""}, finish="content_filter")),
+                   sse(b"[DONE]")], "refusal")]
+        for stream, reason in cases:
+            with self.subTest(reason=reason):
+                self.fake_model(stream)
+                agent = self.start()
+                response, _, _ = self.prompt(agent, self.new_session(agent), "hi")
+                self.assertResult(response, {"stopReason": reason})
+                self.model.close()
+
+    def test_the_tool_loop_limit(self):
+        self.fake_model(calls(("LS", {})))
+        agent = self.start(env={"QCR_MAX_TURN_REQUESTS": "3"})
+        response, updates, _ = self.prompt(agent, self.new_session(agent), "loop forever")
+        self.assertResult(response, {"stopReason": "max_turn_requests"})
+        self.assertEqual(len(self.model.requests), 3)
+        self.assertEqual(kinds(updates).count("tool_call"), 3)
+
+    def check_error_then_recovery(self, first, expected, env=None):
+        self.fake_model(first, scripted_reply("Recovered."))
+        agent = self.start(env=env)
+        session_id = self.new_session(agent)
+        response, updates, _ = self.prompt(agent, session_id, "hi")
+        self.assertResult(response, {"stopReason": "end_turn"})
+        message = text_of(updates)
+        self.assertIn("[error]", message)
+        self.assertIn(expected, message)
+        response, updates, _ = self.prompt(agent, session_id, "again")
+        self.assertResult(response, {"stopReason": "end_turn"})
+        self.assertEqual(text_of(updates), "Recovered.")
+        self.assertClean(agent)
+        return message
+
+    def test_http_500_is_reported_and_the_session_goes_on(self):
+        self.check_error_then_recovery((500, {"error": {"message": "GPU on fire"}}),
+                                       "HTTP 500: GPU on fire")
+
+    def test_http_401_says_to_check_the_key(self):
+        message = self.check_error_then_recovery((401, {"error": "bad key"}), "HTTP 401")
+        self.assertIn("OPENAI_API_KEY", message)
+
+    def test_a_stream_dropped_midway_is_reported(self):
+        message = self.check_error_then_recovery(
+            [sse(completion_chunk({"content": "Half an ans"})), "drop"], "connection dropped")
+        self.assertTrue(message.startswith("Half an ans\n\n[error]"))
+        self.assertEqual(self.model.requests[1]["messages"][2],
+                         {"role": "assistant", "content": "Half an ans"})
+
+    def test_a_malformed_stream_is_reported(self):
+        self.check_error_then_recovery([b"data: {oops\n\n"], "malformed stream")
+
+    def test_a_refused_connection_is_reported(self):
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]      # closed once the with ends: nothing listens
+        agent = self.start(env={"QCR_BASE_URL": f"http://127.0.0.1:{port}/v1",
+                                "QCR_MODEL": "m"})
+        session_id = self.new_session(agent)
+        for _ in range(2):
+            response, updates, _ = self.prompt(agent, session_id, "hi")
+            self.assertResult(response, {"stopReason": "end_turn"})
+            self.assertIn("cannot reach the model server", text_of(updates))
+        self.assertClean(agent)
+
+    def test_no_model_configured_says_how_to_configure(self):
+        agent = self.start()
+        response, updates, _ = self.prompt(agent, self.new_session(agent), "hi")
+        self.assertResult(response, {"stopReason": "end_turn"})
+        self.assertIn("[error] no model is configured", text_of(updates))
+        self.assertIn("OPENAI_BASE_URL", text_of(updates))
+
+
+# =============================================================================================
+# 5. Tools
+# =============================================================================================
+
+class TestTools(AcpTestCase):
+    def run_tool(self, name, args, answer=ALLOW, env=None, mode=None):
+        """Let the model call one tool: (status, result the model got, updates, requests)."""
+        self.fake_model(calls((name, args)), scripted_reply("ok"))
+        agent = self.start(env=env)
+        session_id = self.new_session(agent)
+        if mode:
+            agent.call("session/set_mode", {"sessionId": session_id, "modeId": mode})
+        response, updates, requests = self.prompt(agent, session_id, "do it", answer=answer)
+        self.assertResult(response, {"stopReason": "end_turn"})
+        self.assertClean(agent)
+        status = list(final_status(updates).values())
+        self.assertEqual(len(status), 1, updates)
+        self.model.close()
+        self.all_updates = updates
+        return status[0], self.tool_messages(1)[0], tool_updates(updates), requests
+
+    def test_tool_call_lifecycle_for_an_edit(self):
+        path = self.write("src/app.py", "def f():\n    return 1\n")
+        status, result, updates, requests = self.run_tool(
+            "EditFile", {"path": "src/app.py", "old_string": "return 1",
+                         "new_string": "return 2"})
+        self.assertEqual(status, "completed")
+        self.assertEqual(self.read("src/app.py"), "def f():\n    return 2\n")
+        self.assertIn("replaced 1 occurrence", result)
+        tool = updates
+        self.assertEqual([(u["sessionUpdate"], u.get("status")) for u in tool],
+                         [("tool_call", "pending"), ("tool_call_update", "in_progress"),
+                          ("tool_call_update", "completed")])
+        first = tool[0]
+        self.assertEqual((first["title"], first["kind"]), ("Edit src/app.py", "edit"))
+        self.assertEqual(first["locations"], [{"path": path}])
+        self.assertEqual(first["rawInput"]["new_string"], "return 2")
+        diff = {"type": "diff", "path": path, "oldText": "def f():\n    return 1\n",
+                "newText": "def f():\n    return 2\n"}
+        self.assertEqual(tool[-1]["content"], [diff])
+        self.assertEqual(tool[-1]["locations"], [{"path": path, "line": 2}])
+        self.assertEqual(len(requests), 1)
+        permission = requests[0]
+        self.assertEqual(permission["method"], "session/request_permission")
+        self.assertEqual(permission["params"]["toolCall"]["content"], [diff])
+        self.assertEqual([o["kind"] for o in permission["params"]["options"]],
+                         ["allow_once", "allow_always", "reject_once", "reject_always"])
+        # the permission request comes after the announcement, before in_progress
+        self.assertEqual(permission["params"]["toolCall"]["toolCallId"], first["toolCallId"])
+
+    def test_edit_failures_tell_the_model_what_to_do(self):
+        self.write("a.py", "x = 1\nx = 1\n")
+        cases = [({"path": "a.py", "old_string": "y = 1", "new_string": "z"}, "not found"),
+                 ({"path": "a.py", "old_string": "x = 1", "new_string": "x = 2"},
+                  "occurs 2 times"),
+                 ({"path": "nope.py", "old_string": "a", "new_string": "b"}, "WriteFile"),
+                 ({"path": "a.py", "old_string": "x", "new_string": "x"}, "the same"),
+                 ({"path": "a.py", "old_string": "x"}, "missing required argument 'new_string'"),
+                 ({"path": "a.py", "old_string": 5, "new_string": "b"}, "must be a string")]
+        for args, expected in cases:
+            with self.subTest(args=args):
+                status, result, _, requests = self.run_tool("EditFile", args)
+                self.assertEqual(status, "failed")
+                self.assertIn(expected, result)
+                self.assertEqual(requests, [])      # nothing to approve: it failed first
+        self.assertEqual(self.read("a.py"), "x = 1\nx = 1\n")
+
+    def test_edit_replace_all_and_crlf_and_create(self):
+        self.write("a.txt", "one\r\ntwo\r\none\r\n")
+        status, result, _, _ = self.run_tool("EditFile", {
+            "path": "a.txt", "old_string": "one\ntwo", "new_string": "1\n2"})
+        self.assertEqual(status, "completed", result)
+        self.assertEqual(self.read("a.txt"), "1\r\n2\r\none\r\n")
+        status, _, _, _ = self.run_tool("EditFile", {
+            "path": "a.txt", "old_string": "\r\n", "new_string": "\n", "replace_all": "true"})
+        self.assertEqual(self.read("a.txt"), "1\n2\none\n")
+        status, _, _, _ = self.run_tool("EditFile", {
+            "path": "new/b.txt", "old_string": "", "new_string": "fresh\n"})
+        self.assertEqual((status, self.read("new/b.txt")), ("completed", "fresh\n"))
+
+    def test_write_delete_and_move(self):
+        status, result, updates, _ = self.run_tool("WriteFile", {"path": "d/n.txt",
+                                                                 "content": "hi\n"})
+        self.assertEqual((status, self.read("d/n.txt")), ("completed", "hi\n"))
+        self.assertIsNone(updates[-1]["content"][0]["oldText"])
+        status, result, _, _ = self.run_tool("MoveFile", {"source": "d/n.txt",
+                                                          "destination": "e/m.txt"})
+        self.assertEqual(status, "completed", result)
+        self.assertEqual(self.read("e/m.txt"), "hi\n")
+        self.assertFalse(os.path.exists(os.path.join(self.project, "d/n.txt")))
+        status, _, updates, _ = self.run_tool("DeleteFile", {"path": "e/m.txt"})
+        self.assertEqual(status, "completed")
+        self.assertFalse(os.path.exists(os.path.join(self.project, "e/m.txt")))
+        self.assertEqual(updates[0]["kind"], "delete")
+        for name, args, expected in (("DeleteFile", {"path": "e"}, "is a directory"),
+                                     ("DeleteFile", {"path": "zz"}, "no such file"),
+                                     ("MoveFile", {"source": "zz", "destination": "y"},
+                                      "no such file")):
+            with self.subTest(name=name, args=args):
+                status, result, _, _ = self.run_tool(name, args)
+                self.assertEqual(status, "failed")
+                self.assertIn(expected, result)
+
+    def test_read_file_pages_binary_and_missing(self):
+        self.write("long.txt", "".join(f"line {i}\n" for i in range(1, 3001)))
+        status, result, updates, requests = self.run_tool("ReadFile", {"path": "long.txt"})
+        self.assertEqual(status, "completed")
+        self.assertEqual(requests, [])
+        self.assertTrue(result.startswith("     1\tline 1\n"))
+        self.assertIn("[lines 1-2000 of 3000; read on with offset=2001]", result)
+        status, result, updates, _ = self.run_tool("ReadFile", {"path": "long.txt",
+                                                                "offset": "2999", "limit": 5})
+        self.assertEqual(result, "  2999\tline 2999\n  3000\tline 3000")
+        self.assertEqual(updates[-1]["locations"],
+                         [{"path": os.path.join(self.project, "long.txt"), "line": 2999}])
+        with open(os.path.join(self.project, "blob.bin"), "wb") as f:
+            f.write(b"\x00\x01\x02" * 100)
+        status, result, _, _ = self.run_tool("ReadFile", {"path": "blob.bin"})
+        self.assertIn("binary file (300 bytes)", result)
+        status, result, _, _ = self.run_tool("ReadFile", {"path": "missing.txt"})
+        self.assertEqual(status, "failed")
+        self.assertIn("no such file", result)
+
+    def test_search_tools_skip_git_and_ignored_files(self):
+        self.write("src/main.py", "import os\nTODO = 'find me'\n")
+        self.write("src/lib/util.py", "def todo():\n    pass\n")
+        self.write("build/out.py", "TODO = 'ignored'\n")
+        self.write(".gitignore", "build/\n")
+        self.write("README.md", "todo list\n")
+        os.makedirs(os.path.join(self.project, ".git"))
+        self.write(".git/config.py", "TODO = 'git internals'\n")
+        status, result, _, _ = self.run_tool("Glob", {"pattern": "**/*.py"})
+        self.assertEqual(result.splitlines(), ["src/lib/util.py", "src/main.py"])
+        status, result, _, _ = self.run_tool("Glob", {"pattern": "*.md"})
+        self.assertEqual(result, "README.md")
+        status, result, updates, _ = self.run_tool("Grep", {"pattern": "todo",
+                                                            "ignore_case": True})
+        self.assertEqual(result.splitlines(), ["README.md:1: todo list",
+                                               "src/lib/util.py:1: def todo():",
+                                               "src/main.py:2: TODO = 'find me'"])
+        self.assertEqual(updates[-1]["locations"][0],
+                         {"path": os.path.join(self.project, "README.md"), "line": 1})
+        status, result, _, _ = self.run_tool("Grep", {"pattern": "TODO", "glob": "*.py"})
+        self.assertEqual(result, "src/main.py:2: TODO = 'find me'")
+        status, result, _, _ = self.run_tool("Grep", {"pattern": "(unclosed"})
+        self.assertEqual(status, "failed")
+        self.assertIn("invalid regular expression", result)
+        status, result, _, _ = self.run_tool("LS", {"path": "src"})
+        self.assertEqual(result.splitlines(), ["lib/", "main.py  (27 bytes)"])
+
+    def test_search_inside_a_git_repository_uses_git(self):
+        if shutil.which("git") is None:
+            self.skipTest("git is not installed")
+        self.write("keep.py", "needle\n")
+        self.write("logs/debug.log", "needle\n")
+        self.write(".gitignore", "*.log\n")
+        subprocess.run(["git", "init", "-q", self.project], check=True)
+        status, result, _, _ = self.run_tool("Grep", {"pattern": "needle"})
+        self.assertEqual(result, "keep.py:1: needle")
+
+    def test_shell_output_exit_code_and_timeout(self):
+        status, result, updates, requests = self.run_tool(
+            "Shell", {"command": "echo out; echo err >&2; pwd; exit 3"})
+        self.assertEqual(status, "completed")
+        self.assertEqual(result, f"out\nerr\n{self.project}\n[exit code 3]")
+        self.assertEqual(updates[0]["title"], "echo out; echo err >&2; pwd; exit 3")
+        self.assertEqual(updates[0]["kind"], "execute")
+        self.assertIn("echo out", json.dumps(requests[0]["params"]["toolCall"]))
+        status, result, _, _ = self.run_tool("Shell", {"command": "echo start; sleep 30",
+                                                       "timeout": 1})
+        self.assertIn("start", result)
+        self.assertIn("[timed out after 1s; the command was killed]", result)
+        status, result, _, _ = self.run_tool("Shell", {"command": "yes | head -c 100000"})
+        self.assertIn("bytes of output omitted", result)
+        self.assertLess(len(result), qcr.SHELL_OUTPUT_CHARS + 200)
+
+    def test_think_and_todo_write(self):
+        status, result, updates, requests = self.run_tool("Think", {"thought": "Plan first."})
+        self.assertEqual((status, updates[0]["kind"], requests), ("completed", "think", []))
+        status, result, updates, _ = self.run_tool("TodoWrite", {"todos": [
+            {"content": "a", "status": "completed"},
+            {"content": "b", "status": "in_progress", "priority": "high"},
+            {"content": "c", "status": "todo", "priority": "urgent"}]})
+        plans = [u for u in self.all_updates if u["sessionUpdate"] == "plan"]
+        self.assertEqual(plans[0]["entries"], [
+            {"content": "a", "status": "completed", "priority": "medium"},
+            {"content": "b", "status": "in_progress", "priority": "high"},
+            {"content": "c", "status": "pending", "priority": "medium"}])
+        self.assertIn("1 pending, 1 in progress, 1 completed", result)
+        status, result, _, _ = self.run_tool("TodoWrite", {"todos": [{"status": "x"}]})
+        self.assertEqual(status, "failed")
+
+    def test_bad_calls_are_failed_results_the_model_can_read(self):
+        self.fake_model(scripted_reply(calls=(("Teleport", {}),)), scripted_reply("ok"))
+        agent = self.start()
+        self.prompt(agent, self.new_session(agent), "go")
+        self.assertIn("there is no tool named 'Teleport'", self.tool_messages(1)[0])
+        stream = [sse(completion_chunk({"tool_calls": [{"index": 0, "id": "c1", "function": {
+            "name": "ReadFile", "arguments": '{"path": "a'}}]})),
+            sse(completion_chunk(finish="tool_calls")), sse(b"[DONE]")]
+        self.fake_model(stream, scripted_reply("ok"))
+        agent = self.start()
+        response, updates, _ = self.prompt(agent, self.new_session(agent), "go")
+        self.assertResult(response, {"stopReason": "end_turn"})
+        self.assertIn("not valid JSON", self.tool_messages(1)[0])
+        self.assertEqual(list(final_status(updates).values()), ["failed"])
+        self.assertClean(agent)
+
+
+class TestPermissionsAndModes(AcpTestCase):
+    def test_reject_leaves_the_file_and_tells_the_model(self):
+        self.write("a.txt", "old\n")
+        self.fake_model(calls(("WriteFile", {"path": "a.txt", "content": "new\n"})),
+                        scripted_reply("ok"))
+        agent = self.start()
+        _, updates, requests = self.prompt(agent, self.new_session(agent), "go", answer=REJECT)
+        self.assertEqual(self.read("a.txt"), "old\n")
+        self.assertEqual(list(final_status(updates).values()), ["failed"])
+        self.assertIn("The user declined", self.tool_messages(1)[0])
+
+    def test_always_allow_is_remembered_for_the_session(self):
+        self.fake_model(calls(("WriteFile", {"path": "a.txt", "content": "1"})),
+                        calls(("WriteFile", {"path": "b.txt", "content": "2"})),
+                        calls(("Shell", {"command": "echo one"})),
+                        calls(("Shell", {"command": "echo two"})),
+                        calls(("Shell", {"command": "ls"})),
+                        scripted_reply("ok"))
+        agent = self.start()
+        response, updates, requests = self.prompt(agent, self.new_session(agent), "go",
+                                                  answer=ALLOW_ALWAYS)
+        self.assertEqual(self.read("b.txt"), "2")
+        titles = [r["params"]["toolCall"]["title"] for r in requests]
+        self.assertEqual(titles, ["Write a.txt", "echo one", "ls"])
+        self.assertIn("Always allow `echo` commands in this session",
+                      [o["name"] for o in requests[1]["params"]["options"]])
+
+    def test_plan_mode_refuses_changes_whatever_the_model_asks(self):
+        self.write("a.txt", "keep\n")
+        self.fake_model(calls(("EditFile", {"path": "a.txt", "old_string": "keep",
+                                            "new_string": "lose"})),
+                        calls(("Shell", {"command": "touch made-it"})),
+                        scripted_reply("ok"))
+        agent = self.start()
+        session_id = self.new_session(agent)
+        agent.call("session/set_mode", {"sessionId": session_id, "modeId": "plan"})
+        response, updates, requests = self.prompt(agent, session_id, "go")
+        self.assertEqual(requests, [])
+        self.assertEqual(self.read("a.txt"), "keep\n")
+        self.assertFalse(os.path.exists(os.path.join(self.project, "made-it")))
+        self.assertEqual(list(final_status(updates).values()), ["failed", "failed"])
+        self.assertIn("plan mode", self.tool_messages(2)[0])
+        offered = [t["function"]["name"] for t in self.model.requests[0]["tools"]]
+        self.assertNotIn("EditFile", offered)
+        self.assertIn("Grep", offered)
+        self.assertIn("PLAN mode", self.model.requests[0]["messages"][0]["content"])
+
+    def test_auto_edit_changes_files_but_asks_before_commands(self):
+        self.fake_model(calls(("WriteFile", {"path": "a.txt", "content": "auto"})),
+                        calls(("Shell", {"command": "echo hi"})), scripted_reply("ok"))
+        agent = self.start()
+        session_id = self.new_session(agent)
+        agent.call("session/set_mode", {"sessionId": session_id, "modeId": "auto-edit"})
+        _, updates, requests = self.prompt(agent, session_id, "go")
+        self.assertEqual(self.read("a.txt"), "auto")
+        self.assertEqual([r["params"]["toolCall"]["title"] for r in requests], ["echo hi"])
+
+    def test_a_client_error_on_permission_is_a_failed_call(self):
+        self.fake_model(calls(("WriteFile", {"path": "a.txt", "content": "x"})),
+                        scripted_reply("ok"))
+        agent = self.start()
+        session_id = self.new_session(agent)
+        request_id = agent.request("session/prompt", {"sessionId": session_id, "prompt": [
+            {"type": "text", "text": "go"}]})
+        response, updates, requests = agent.wait(request_id, answer=lambda frame: agent.send(
+            {"jsonrpc": "2.0", "id": frame["id"], "error": {"code": -32603, "message": "no"}}))
+        self.assertResult(response, {"stopReason": "end_turn"})
+        self.assertFalse(os.path.exists(os.path.join(self.project, "a.txt")))
+        self.assertIn("could not ask the user", self.tool_messages(1)[0])
+
+
+# =============================================================================================
+# 6. Agent loop: prompts, context, cancel
+# =============================================================================================
+
+class TestTurns(AcpTestCase):
+    def test_every_update_comes_before_the_response(self):
+        self.fake_model(calls(("LS", {})), scripted_reply("Listed."))
+        agent = self.start()
+        session_id = self.new_session(agent)
+        request_id = agent.request("session/prompt", {"sessionId": session_id, "prompt": [
+            {"type": "text", "text": "list"}]})
+        frames = []
+        while not frames or frames[-1].get("id") != request_id:
+            frames.append(agent.recv())
+        self.assertEqual(frames[-1]["result"], {"stopReason": "end_turn"})
+        self.assertEqual(text_of([f["params"]["update"] for f in frames[:-1]]), "Listed.")
+        time.sleep(0.3)
+        self.assertTrue(agent.frames.empty())
+
+    def test_prompt_content_blocks_reach_the_model(self):
+        linked = self.write("notes.md", "linked notes\n")
+        self.fake_model(scripted_reply("ok"))
+        agent = self.start()
+        session_id = self.new_session(agent)
+        agent.call("session/prompt", {"sessionId": session_id, "prompt": [
+            {"type": "text", "text": "Compare "},
+            {"type": "resource_link", "uri": "file://" + linked, "name": "notes.md"},
+            {"type": "resource", "resource": {"uri": "file:///x/y.py", "text": "embedded()"}},
+            {"type": "resource_link", "uri": "https://example.com/doc", "name": "doc"},
+        ]})
+        sent = self.model.requests[0]["messages"][-1]["content"]
+        self.assertTrue(sent.startswith("Compare "))
+        self.assertIn("linked notes", sent)
+        self.assertIn('<context uri="file:///x/y.py">\nembedded()', sent)
+        self.assertIn("https://example.com/doc", sent)
+
+    def test_context_files_and_steering_are_in_the_system_prompt(self):
+        self.write("QCR.md", "Use tabs.")
+        self.write("AGENTS.md", "Run make test.")
+        self.write("CLAUDE.md", "Be terse.")
+        self.write(".qcr/steering/style.md", "Prefer pathlib.")
+        self.fake_model(scripted_reply("ok"))
+        agent = self.start()
+        self.prompt(agent, self.new_session(agent), "hi")
+        system = self.model.requests[0]["messages"][0]["content"]
+        for text in ("Use tabs.", "Run make test.", "Be terse.", "Prefer pathlib.",
+                     self.project):
+            self.assertIn(text, system)
+
+    def test_a_second_prompt_while_one_runs_is_refused(self):
+        self.fake_model(slow_reply())
+        agent = self.start()
+        session_id = self.new_session(agent)
+        first = agent.request("session/prompt", {"sessionId": session_id, "prompt": [
+            {"type": "text", "text": "one"}]})
+        second = agent.request("session/prompt", {"sessionId": session_id, "prompt": [
+            {"type": "text", "text": "two"}]})
+        response, _, _ = agent.wait(second)
+        self.assertRpcError(response, qcr.INVALID_REQUEST, "already running")
+        agent.notify("session/cancel", {"sessionId": session_id})
+        response, _, _ = agent.wait(first)
+        self.assertResult(response, {"stopReason": "cancelled"})
+
+    def test_cancel_mid_stream_closes_the_request_and_keeps_the_session(self):
+        self.fake_model(slow_reply(), scripted_reply("Fresh answer."))
+        agent = self.start()
+        session_id = self.new_session(agent)
+
+        def cancel_once(update):
+            if update["sessionUpdate"] == "agent_message_chunk" and not cancelled:
+                cancelled.append(True)
+                agent.notify("session/cancel", {"sessionId": session_id})
+        cancelled = []
+        response, updates, _ = self.prompt(agent, session_id, "talk", on_update=cancel_once)
+        self.assertResult(response, {"stopReason": "cancelled"})
+        self.assertLess(len(updates), 50)     # the stream would have sent 400 chunks
+        response, updates, _ = self.prompt(agent, session_id, "again")
+        self.assertEqual(text_of(updates), "Fresh answer.")
+        history = self.model.requests[1]["messages"]
+        self.assertEqual(history[2]["role"], "assistant")
+        self.assertTrue(history[2]["content"].startswith("Working"))
+        self.assertClean(agent)
+
+    def test_cancel_mid_shell_kills_the_process_group(self):
+        command = "sleep 60 & echo $! > bg.pid; echo $$ > sh.pid; wait"
+        self.fake_model(calls(("Shell", {"command": command})), scripted_reply("after"))
+        agent = self.start()
+        session_id = self.new_session(agent)
+
+        def cancel_when_running(update):
+            if update.get("status") == "in_progress":
+                deadline = time.monotonic() + 5
+                while not os.path.exists(os.path.join(self.project, "sh.pid")) \
+                        and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                time.sleep(0.1)
+                agent.notify("session/cancel", {"sessionId": session_id})
+        response, updates, _ = self.prompt(agent, session_id, "run",
+                                           on_update=cancel_when_running)
+        self.assertResult(response, {"stopReason": "cancelled"})
+        self.assertEqual(list(final_status(updates).values()), ["failed"])
+        for name in ("sh.pid", "bg.pid"):
+            pid = int(self.read(name))
+            deadline = time.monotonic() + 5
+            while alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.assertFalse(alive(pid), f"{name} {pid} survived the cancel")
+        response, _, _ = self.prompt(agent, session_id, "next")
+        self.assertResult(response, {"stopReason": "end_turn"})
+        tool_results = [m for m in self.model.requests[-1]["messages"] if m["role"] == "tool"]
+        self.assertIn("cancelled", tool_results[0]["content"])
+
+    def test_cancel_while_permission_is_pending(self):
+        self.fake_model(calls(("WriteFile", {"path": "a.txt", "content": "x"})),
+                        scripted_reply("ok"))
+        agent = self.start()
+        session_id = self.new_session(agent)
+
+        def never_answer(frame):
+            agent.notify("session/cancel", {"sessionId": session_id})
+            return None
+        response, updates, requests = self.prompt(agent, session_id, "go", answer=never_answer)
+        self.assertResult(response, {"stopReason": "cancelled"})
+        self.assertEqual(len(requests), 1)
+        self.assertFalse(os.path.exists(os.path.join(self.project, "a.txt")))
+        self.assertEqual(list(final_status(updates).values()), ["failed"])
+        # a late answer from the client is ignored quietly
+        agent.send({"jsonrpc": "2.0", "id": requests[0]["id"], "result": ALLOW})
+        response, _, _ = self.prompt(agent, session_id, "next")
+        self.assertResult(response, {"stopReason": "end_turn"})
+        self.assertFalse(os.path.exists(os.path.join(self.project, "a.txt")))
+        self.assertClean(agent)
+
+
+def alive(pid):
+    """Is the process running (zombies count as gone)?"""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+# =============================================================================================
+# 7. Config
+# =============================================================================================
+
+class TestConfig(unittest.TestCase):
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp(prefix="qcr-config-")
+        self.addCleanup(shutil.rmtree, self.tmp, True)
+        os.makedirs(os.path.join(self.tmp, ".qcr"))
+        self.old_home = os.environ.get("HOME")
+        os.environ["HOME"] = self.tmp
+        self.addCleanup(os.environ.__setitem__, "HOME", self.old_home or "")
+
+    def write_json(self, path, data):
+        with open(path, "w") as f:
+            f.write(data if isinstance(data, str) else json.dumps(data))
+        return path
+
+    def test_precedence_file_then_config_then_openai_then_qcr(self):
+        self.write_json(os.path.join(self.tmp, ".qcr", "config.json"),
+                        {"baseUrl": "http://user/v1", "model": "user", "maxTurnRequests": 7})
+        extra = self.write_json(os.path.join(self.tmp, "x.json"), {"model": "flag"})
+        config = qcr.load_config(extra, env={})
+        self.assertEqual((config.base_url, config.model, config.max_turn_requests),
+                         ("http://user/v1", "flag", 7))
+        config = qcr.load_config(extra, env={"OPENAI_MODEL": "openai", "OPENAI_API_KEY": "k"})
+        self.assertEqual((config.model, config.api_key), ("openai", "k"))
+        config = qcr.load_config(extra, env={"OPENAI_MODEL": "openai", "QCR_MODEL": "qcr"})
+        self.assertEqual(config.model, "qcr")
+        self.assertEqual(config.problems, [])
+
+    def test_an_api_key_alone_means_openai(self):
+        config = qcr.load_config(None, env={"OPENAI_API_KEY": "sk"})
+        self.assertEqual(config.base_url, "https://api.openai.com/v1")
+
+    def test_mistakes_are_collected_not_fatal(self):
+        self.write_json(os.path.join(self.tmp, ".qcr", "config.json"), "{broken")
+        config = qcr.load_config(os.path.join(self.tmp, "missing.json"),
+                                 env={"QCR_MAX_TURN_REQUESTS": "lots"})
+        self.assertEqual(len(config.problems), 3, config.problems)
+        self.assertEqual(config.max_turn_requests, 50)
+        os.remove(os.path.join(self.tmp, ".qcr", "config.json"))
+        bad = self.write_json(os.path.join(self.tmp, "bad.json"), {"modle": "x", "model": 3})
+        config = qcr.load_config(bad, env={})
+        self.assertIn("unknown setting 'modle'", config.problems[0])
+        self.assertIn("'model'", config.problems[1])
+
+
+class TestConfigOverPipes(AcpTestCase):
+    def test_config_file_flag_and_warnings_in_the_thread(self):
+        self.fake_model(scripted_reply("ok"))
+        path = os.path.join(self.tmp, "qcr.json")
+        with open(path, "w") as f:
+            json.dump({"baseUrl": self.model.url, "model": "from-file", "colour": "red"}, f)
+        agent = self.start(args=("--config", path), model=None)
+        _, updates, _ = self.prompt(agent, self.new_session(agent), "hi")
+        self.assertEqual(self.model.requests[0]["model"], "from-file")
+        self.assertIn("[warning] unknown setting 'colour'", text_of(updates))
+
+
+# =============================================================================================
+# 9. CLI, self-test and README
+# =============================================================================================
+
+class TestCli(unittest.TestCase):
+    def run_qcr(self, *args, timeout=60):
+        return subprocess.run([sys.executable, QCR, *args], capture_output=True, text=True,
+                              timeout=timeout)
+
+    def test_help_and_version(self):
+        out = self.run_qcr("--help")
+        self.assertEqual(out.returncode, 0)
+        self.assertIn("--acp", out.stdout)
+        out = self.run_qcr("--version")
+        self.assertEqual(out.stdout.strip(), f"qcr {qcr.__version__}")
+
+    def test_selftest_passes(self):
+        out = self.run_qcr("--selftest")
+        self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+        self.assertRegex(out.stdout, r"selftest: \d+ passed, 0 failed")
+
+    def test_trace_writes_both_directions_to_a_file(self):
+        trace = os.path.join(tempfile.mkdtemp(prefix="qcr-trace-"), "trace.log")
+        self.addCleanup(shutil.rmtree, os.path.dirname(trace), True)
+        proc = subprocess.run([sys.executable, QCR, "--acp", "--trace", trace],
+                              input=b'{"jsonrpc":"2.0","id":1,"method":"initialize",'
+                                    b'"params":{"protocolVersion":1}}\n',
+                              capture_output=True, timeout=30)
+        self.assertEqual(proc.returncode, 0)
+        with open(trace) as f:
+            lines = f.read().splitlines()
+        self.assertRegex(lines[0], r'^\d\d:\d\d:\d\d\.\d{3} -> \{"jsonrpc"')
+        self.assertRegex(lines[1], r'^\d\d:\d\d:\d\d\.\d{3} <- \{"jsonrpc".*"protocolVersion":1')
+
+    def test_stdin_from_a_file_works_too(self):
+        frames = os.path.join(tempfile.mkdtemp(prefix="qcr-frames-"), "frames.jsonl")
+        self.addCleanup(shutil.rmtree, os.path.dirname(frames), True)
+        with open(frames, "wb") as f:
+            f.write(b'{"jsonrpc":"2.0","id":1,"method":"initialize",'
+                    b'"params":{"protocolVersion":1}}\n')
+        with open(frames, "rb") as stdin:
+            proc = subprocess.run([sys.executable, QCR, "--acp"], stdin=stdin,
+                                  capture_output=True, timeout=30)
+        self.assertEqual(proc.returncode, 0)
+        self.assertEqual(json.loads(proc.stdout)["result"]["protocolVersion"], 1)
+
+
+class TestReadme(unittest.TestCase):
+    def test_every_json_line_in_the_readme_is_a_frame(self):
+        with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+            lines = [line.strip() for line in f]
+        frames = [line for line in lines if line.startswith(('{"jsonrpc"', '-> {', '<- {'))]
+        self.assertGreater(len(frames), 5)
+        for line in frames:
+            with self.subTest(line=line[:80]):
+                frame = json.loads(line[3:] if line.startswith(("->", "<-")) else line)
+                self.assertEqual(frame["jsonrpc"], "2.0")
+                self.assertTrue("method" in frame or "result" in frame or "error" in frame)
+                if "method" in frame and frame["method"] == "session/update":
+                    self.assertIn("sessionUpdate", frame["params"]["update"])
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=1)
