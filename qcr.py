@@ -72,6 +72,7 @@ MODES = [   # the session modes, in the order the editor lists them
      "description": "Change files without asking; still ask before running commands"},
 ]
 MODE_IDS = [m["id"] for m in MODES]
+NO_MODEL = "(none)"        # the model selector's only choice when no model is configured
 
 
 def log(message: str, *, error: bool = False) -> None:
@@ -146,15 +147,40 @@ class RpcError(Exception):
         return cls(RESOURCE_NOT_FOUND, "Resource not found: " + what, data or None)
 
 
+def loads(data: Any) -> Any:
+    """Strict JSON: NaN and Infinity are not JSON, and a peer may reject a frame holding them."""
+    def reject(constant: str) -> Any:
+        raise ValueError(f"{constant} is not valid JSON")
+    return json.loads(data, parse_constant=reject)
+
+
+LONE_SURROGATE = re.compile(r"\\ud[89ab][0-9a-f]{2}(?!\\ud[c-f])|"
+                            r"(?<!\\ud[89ab][0-9a-f]{2})\\ud[c-f][0-9a-f]{2}")
+
+
 def encode_frame(message: dict) -> bytes:
     """One message as one line. ASCII-only JSON cannot contain a raw newline or U+2028."""
-    return json.dumps(message, separators=(",", ":")).encode("ascii") + b"\n"
+    text = json.dumps(message, separators=(",", ":"))
+    if "\\ud" in text and LONE_SURROGATE.search(text):   # strict parsers (serde) reject these
+        text = json.dumps(without_surrogates(message), separators=(",", ":"))
+    return text.encode("ascii") + b"\n"
+
+
+def without_surrogates(value: Any) -> Any:
+    """A copy with lone UTF-16 surrogates (from a model's escapes) replaced by U+FFFD."""
+    if isinstance(value, str):
+        return re.sub("[\ud800-\udfff]", "\ufffd", value)
+    if isinstance(value, list):
+        return [without_surrogates(v) for v in value]
+    if isinstance(value, dict):
+        return {k: without_surrogates(v) for k, v in value.items()}
+    return value
 
 
 def valid_id(value: Any) -> bool:
-    """JSON-RPC ids are strings, integers or null (booleans are not integers here)."""
+    """JSON-RPC ids are strings, numbers or null (booleans are not numbers here)."""
     return value is None or isinstance(value, str) or (
-        isinstance(value, int) and not isinstance(value, bool))
+        isinstance(value, (int, float)) and not isinstance(value, bool))
 
 
 class Connection:
@@ -205,15 +231,20 @@ class Connection:
     # -- reading ----------------------------------------------------------------------------
     async def serve(self, reader: asyncio.StreamReader) -> None:
         """Read frames until EOF. One bad frame never ends the loop."""
+        skip_tail = False
         while True:
             try:
                 line = await reader.readline()
-            except ValueError:   # longer than the reader's limit; the reader dropped it
+            except ValueError as e:   # longer than the reader's limit; the reader dropped it
                 self.reply(None, error=RpcError.invalid_request(
                     f"frame longer than {MAX_FRAME_BYTES} bytes"))
+                skip_tail = "not found" in str(e)   # the rest of it is still to come
                 continue
             if not line:
                 return
+            if skip_tail:
+                skip_tail = False
+                continue
             self.receive(line)
 
     def receive(self, line: bytes) -> None:
@@ -224,7 +255,7 @@ class Connection:
         if not line:
             return
         try:
-            message = json.loads(line)
+            message = loads(line.decode("utf-8"))
         except (ValueError, RecursionError) as e:   # includes invalid UTF-8
             return self.reply(None, error=RpcError.parse_error(str(e)[:200]))
         if isinstance(message, list):
@@ -245,8 +276,10 @@ class Connection:
             return self.reply(request_id, error=RpcError.invalid_request(
                 "method must be a string"))
         params = message.get("params")
-        if not has_id:
-            return self._notification(method, params)
+        if not has_id:   # queued behind the requests already read, so that a cancel
+            # that follows a prompt in the same read finds that prompt's turn started
+            asyncio.get_running_loop().call_soon(self._notification, method, params)
+            return
         task = asyncio.ensure_future(self._answer(request_id, method, params))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
@@ -422,9 +455,10 @@ def prompt_text(blocks: Any) -> str:
             if not isinstance(resource, dict) or not isinstance(resource.get("uri"), str):
                 raise RpcError.invalid_params(f"prompt[{i}].resource", "must have a uri")
             if isinstance(resource.get("text"), str):
-                parts.append(f'\n<context uri="{resource["uri"]}">\n{resource["text"]}\n</context>')
+                parts.append(context_block(resource["uri"], resource["text"]))
             else:
-                parts.append(f"\n[binary resource {resource['uri']} was attached; not shown]")
+                parts.append(f"\n[binary resource {quote_uri(resource['uri'])} was attached; "
+                             "not shown]")
         elif kind == "resource_link":
             uri = block.get("uri")
             if not isinstance(uri, str):
@@ -434,25 +468,41 @@ def prompt_text(blocks: Any) -> str:
             parts.append(f"\n[an {kind} was attached, but qcr sends text only to the model]")
         else:
             raise RpcError.invalid_params(f"prompt[{i}].type", f"is not a content type: {kind!r}")
-    return "".join(parts)
+    text = "".join(parts)
+    if not text.strip():
+        raise RpcError.invalid_params("prompt", "is empty")
+    return text
+
+
+def quote_uri(uri: str) -> str:
+    """A URI safe to put between quotes in the model's context."""
+    return uri.replace('"', "%22").replace("<", "%3C").replace(">", "%3E").replace("\n", "%0A")
+
+
+def context_block(uri: str, text: str) -> str:
+    return f'\n<context uri="{quote_uri(uri)}">\n{text}\n</context>'
+
 
 
 def read_linked_file(uri: str) -> str:
-    """The text of a file:// link for the model, or a mention of any other link."""
-    if not uri.startswith("file://"):
-        return f"\n[link: {uri}]"
+    """The text of a local file:// link for the model, or a mention of any other link."""
     from urllib.parse import unquote, urlparse
-    path = unquote(urlparse(uri).path)
+    parsed = urlparse(uri)
+    if parsed.scheme != "file" or parsed.netloc not in ("", "localhost"):
+        return f"\n[link: {quote_uri(uri)}]"
+    path = unquote(parsed.path)
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):   # a FIFO or device would block
+            return f"\n[link to {quote_uri(path)}: not a regular file; not read]"
         with open(path, "rb") as f:
             data = f.read(LINKED_FILE_BYTES + 1)
     except OSError as e:
-        return f"\n[link to {path}: could not read it: {e.strerror}]"
+        return f"\n[link to {quote_uri(path)}: could not read it: {e.strerror}]"
     if b"\0" in data[:8192]:
-        return f"\n[link to binary file {path}; not shown]"
+        return f"\n[link to binary file {quote_uri(path)}; not shown]"
     text = data[:LINKED_FILE_BYTES].decode("utf-8", "replace")
     more = "\n[... truncated; read the rest with ReadFile]" if len(data) > LINKED_FILE_BYTES else ""
-    return f'\n<context uri="{uri}">\n{text}{more}\n</context>'
+    return context_block(uri, text + more)
 
 
 LINKED_FILE_BYTES = 256 * 1024      # most of a linked file that goes into a prompt
@@ -480,8 +530,9 @@ class Agent:
         return await handler(self, params)
 
     def on_notification(self, method: str, params: dict) -> None:
-        if method == "session/cancel":
-            session = self.sessions.get(params.get("sessionId"))
+        session_id = params.get("sessionId")
+        if method == "session/cancel" and isinstance(session_id, str):
+            session = self.sessions.get(session_id)
             if session is not None:
                 session.cancel()
         # Anything else -- notifications/initialized, $/cancel_request, … -- is ignored.
@@ -499,8 +550,21 @@ class Agent:
         return session
 
     def save(self, session: Session) -> None:
+        """Write the session to disk (off the loop); a failure is told once in the thread."""
+        if not session.messages:
+            return      # nothing said yet: nothing worth a file
         session.updated = time.time()
-        self.store.save(session)
+        done = self.store.save(session)
+
+        def report(future: Any) -> None:
+            error = future.exception()
+            if error is not None and not session.unsaved:
+                session.unsaved = True
+                log(f"could not save session {session.id}: {error}")
+                self.update(session, message_chunk(
+                    "agent_message_chunk", f"\n[warning] this session cannot be saved, so it "
+                    f"will not reopen after a restart: {error}\n"))
+        asyncio.wrap_future(done).add_done_callback(report)
 
     # -- lifecycle ----------------------------------------------------------------------------
     @rpc("initialize")
@@ -551,6 +615,7 @@ class Agent:
             session = await self.store.load(session_id)
             self.sessions[session_id] = session
         session.cwd, session.mcp_servers = cwd, servers
+        session.model = session.model or self.config.model
         for update in session.replay():
             self.conn.notify("session/update", {"sessionId": session.id, "update": update})
         return {"modes": self.modes(session), "configOptions": self.config_options(session)}
@@ -560,14 +625,16 @@ class Agent:
         return {"currentModeId": session.mode, "availableModes": MODES}
 
     def models(self, session: Session) -> list:
-        models = list(self.config.models)
-        if session.model and session.model not in models:
-            models.insert(0, session.model)
-        return models
+        """The model selector's choices: the session's, the configured one, the extras."""
+        models = []
+        for model in [session.model, self.config.model] + list(self.config.models):
+            if model and model not in models:
+                models.append(model)
+        return models or [NO_MODEL]
 
     def config_options(self, session: Session) -> list:
         """The mode and model selectors; Zed shows these and ignores `modes` when present."""
-        models = self.models(session) or ["(none)"]
+        models = self.models(session)
         return [
             {"id": "mode", "name": "Mode", "category": "mode", "type": "select",
              "currentValue": session.mode,
@@ -590,8 +657,8 @@ class Agent:
     def set_model(self, session: Session, model: Any, field_name: str) -> None:
         if model not in self.models(session):
             raise RpcError.invalid_params(
-                field_name, f"must be one of {', '.join(self.models(session)) or '(none)'}")
-        session.model = model
+                field_name, f"must be one of {', '.join(self.models(session))}")
+        session.model = "" if model == NO_MODEL else model
         self.update(session, config_option_update(self.config_options(session)))
         self.save(session)
 
@@ -679,6 +746,7 @@ class Session:
     allowed: dict = field(default_factory=dict)        # "always" answers: key -> allow?
     turn: Optional[asyncio.Future] = None              # the running prompt turn
     cancelling: bool = False
+    unsaved: bool = False                              # a save failed (told the user once)
     _run: Optional[list] = None       # [kind, [texts]] of the chunk run being streamed
     _tool_at: dict = field(default_factory=dict)       # tool call id -> transcript index
 
@@ -733,19 +801,45 @@ class Session:
                 "transcript": list(self.transcript)}
 
     @classmethod
-    def from_json(cls, data: dict) -> Session:
-        session = cls(id=data["sessionId"], cwd=data["cwd"], mode=data.get("mode", "default"),
-                      model=data.get("model", ""), title=data.get("title", ""),
-                      created=data.get("created", time.time()),
-                      updated=data.get("updated", time.time()),
-                      messages=list(data.get("messages", [])),
-                      transcript=list(data.get("transcript", [])))
+    def from_json(cls, session_id: str, data: dict) -> Session:
+        """A session from its file, trusting nothing in it: the id is the file's name, and
+        entries of the wrong shape are dropped rather than sent to the client."""
+        def text(key: str) -> str:
+            return data[key] if isinstance(data.get(key), str) else ""
+
+        def number(key: str) -> float:
+            value = data.get(key)
+            return float(value) if isinstance(value, (int, float)) else time.time()
+        messages = data.get("messages") if isinstance(data.get("messages"), list) else []
+        transcript = data.get("transcript") if isinstance(data.get("transcript"), list) else []
+        session = cls(id=session_id, cwd=text("cwd"), mode=text("mode"), model=text("model"),
+                      title=text("title"), created=number("created"), updated=number("updated"),
+                      messages=[m for m in messages if isinstance(m, dict)
+                                and isinstance(m.get("role"), str)],
+                      transcript=[u for u in transcript if replayable(u)])
         if session.mode not in MODE_IDS:
             session.mode = "default"
         for i, update in enumerate(session.transcript):
-            if update.get("sessionUpdate") == "tool_call":
+            if update["sessionUpdate"] == "tool_call":
                 session._tool_at[update["toolCallId"]] = i
         return session
+
+
+def replayable(update: Any) -> bool:
+    """Is a saved transcript entry of a shape qcr itself writes?"""
+    if not isinstance(update, dict):
+        return False
+    kind = update.get("sessionUpdate")
+    if kind in ("user_message_chunk", "agent_message_chunk", "agent_thought_chunk"):
+        content = update.get("content")
+        return isinstance(content, dict) and isinstance(content.get("text"), str)
+    if kind == "tool_call":
+        return isinstance(update.get("toolCallId"), str) and isinstance(update.get("title"), str)
+    if kind == "plan":
+        entries = update.get("entries")
+        return isinstance(entries, list) and all(
+            isinstance(e, dict) and isinstance(e.get("content"), str) for e in entries)
+    return False
 
 
 class SessionStore:
@@ -765,24 +859,26 @@ class SessionStore:
             raise RpcError.invalid_params("sessionId", "is not a qcr session id")
         return os.path.join(self.root, session_id + ".json")
 
-    def save(self, session: Session) -> None:
+    def save(self, session: Session) -> Any:
+        """Queue a write of the session; returns its concurrent.futures.Future."""
         from concurrent.futures import ThreadPoolExecutor
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="qcr-save")
         snapshot = session.to_json()      # shallow copies: later appends don't race the write
-        self._executor.submit(self._write, self.path(session.id), snapshot)
+        return self._executor.submit(self._write, self.path(session.id), snapshot)
 
     def _write(self, path: str, data: dict) -> None:
+        os.makedirs(self.root, exist_ok=True)
+        temporary = f"{path}.{os.getpid()}.tmp"
         try:
-            os.makedirs(self.root, exist_ok=True)
-            temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
             with open(temporary, "w", encoding="utf-8") as f:
                 json.dump(data, f, separators=(",", ":"))
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(temporary, path)
-        except Exception as e:
-            log(f"could not save session to {path}: {e}", error=True)
+        finally:
+            if os.path.exists(temporary):
+                os.remove(temporary)
 
     def flush(self) -> None:
         """Wait for every save asked for so far."""
@@ -798,7 +894,9 @@ class SessionStore:
         self.flush()
         try:
             data = await asyncio.get_running_loop().run_in_executor(None, read)
-            return Session.from_json(data)
+            if not isinstance(data, dict):
+                raise ValueError("not a JSON object")
+            return Session.from_json(session_id, data)
         except FileNotFoundError:
             raise RpcError.resource_not_found(f"no saved session {session_id}",
                                               sessionId=session_id) from None
@@ -938,11 +1036,11 @@ class HttpStream:
             if self.aborted:
                 return response.close()
             if "text/event-stream" not in response.headers.get("Content-Type", ""):
-                return put("whole", json.loads(response.read()))  # stream was ignored
+                return put("whole", loads(response.read()))  # stream was ignored
             for data in parse_sse(response):
                 if data.strip() == "[DONE]":
                     return put("end", True)
-                put("data", json.loads(data))
+                put("data", loads(data))
             put("end", False)
         except urllib.error.HTTPError as e:
             put("error", http_error(e.code, e.read(4000) if e.fp else b"", self.base_url))
@@ -954,7 +1052,8 @@ class HttpStream:
             reason = getattr(e, "reason", e)
             put("error", ProviderError(
                 f"cannot reach the model server at {self.base_url} ({reason}). Is it running? "
-                "Check OPENAI_BASE_URL / baseUrl (see the README)."))
+                "Check the base URL: QCR_BASE_URL or OPENAI_BASE_URL in the environment, "
+                "or baseUrl in ~/.qcr/config.json."))
 
     def abort(self) -> None:
         """Stop reading: shut the socket so the thread's blocking read returns now."""
@@ -1179,7 +1278,7 @@ def coerce(name: str, value: Any, spec: dict) -> Any:
     elif kind in ("array", "object"):
         if isinstance(value, str):
             try:
-                value = json.loads(value)
+                value = loads(value)
             except ValueError:
                 pass
         if isinstance(value, list if kind == "array" else dict):
@@ -1280,13 +1379,35 @@ READ_CHARS = 200_000           # most characters ReadFile returns at once
 LINE_CHARS = 2000              # longer lines are cut in ReadFile and Grep output
 LIST_LIMIT = 500               # most entries LS and Glob return
 SEARCH_FILE_BYTES = 8 << 20    # Grep skips larger files
+SEARCH_TIMEOUT = 60            # seconds before a Grep is stopped
 SHELL_OUTPUT_CHARS = 30_000    # Shell keeps this much output: head and tail
 SHELL_TIMEOUT = 120            # seconds, default for Shell; at most SHELL_TIMEOUT_MAX
 SHELL_TIMEOUT_MAX = 600
 
 
+def check_regular(path: str) -> bool:
+    """True for a regular file, False if nothing is there; ToolError for anything else.
+
+    Opening a FIFO or a device would block the whole agent, so tools never do.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        raise ToolError(f"cannot use {path}: {e.strerror}") from None
+    if stat.S_ISDIR(mode):
+        raise ToolError(f"{path} is a directory, not a file")
+    if not stat.S_ISREG(mode):
+        raise ToolError(f"{path} is not a regular file (a pipe, socket or device); "
+                        "qcr does not open those")
+    return True
+
+
 def read_text(path: str) -> Optional[str]:
     """A text file's exact content (newlines untouched), None if it does not exist."""
+    if not check_regular(path):
+        return None
     try:
         with open(path, encoding="utf-8", newline="") as f:
             return f.read()
@@ -1329,6 +1450,8 @@ async def read_file(ctx: ToolContext, path: str, offset: int = 1, limit: int = R
     read a page at a time: pass offset and limit to read further."""
     full = ctx.resolve(path)
     offset, limit = max(1, offset), max(1, limit)
+    if not check_regular(full):
+        raise ToolError(f"no such file: {full}. Use LS or Glob to find the right path.")
     try:
         with open(full, "rb") as f:
             if b"\0" in f.read(8192):
@@ -1345,10 +1468,6 @@ async def read_file(ctx: ToolContext, path: str, offset: int = 1, limit: int = R
                     line = line[:LINE_CHARS] + " [line cut]"
                 shown.append(f"{total:6}\t{line}")
                 chars += len(line)
-    except FileNotFoundError:
-        raise ToolError(f"no such file: {full}. Use LS or Glob to find the right path.") from None
-    except IsADirectoryError:
-        raise ToolError(f"{full} is a directory; use LS to list it.") from None
     except OSError as e:
         raise ToolError(f"cannot read {full}: {e.strerror}") from None
     if total == 0:
@@ -1399,8 +1518,9 @@ async def edit_file(ctx: ToolContext, path: str, old_string: str, new_string: st
         if old_string:
             raise ToolError(f"no such file: {full}. Create it with WriteFile.")
         text = ""
-    elif not old_string:
-        raise ToolError(f"{full} exists: old_string may be empty only to create a new file.")
+    elif not old_string and text:
+        raise ToolError(f"{full} is not empty: old_string may be empty only to create a file "
+                        "or fill an empty one.")
     if old_string == new_string:
         raise ToolError("old_string and new_string are the same; nothing would change.")
     count = text.count(old_string) if old_string else 1
@@ -1419,7 +1539,7 @@ async def edit_file(ctx: ToolContext, path: str, old_string: str, new_string: st
     if not replace_all and old_string:
         new_text = text.replace(old_string, new_string, 1)
     line = text[:text.find(old_string)].count("\n") + 1 if old_string else 1
-    diff = diff_content(full, text if old_string else None, new_text)
+    diff = diff_content(full, text if old_string or os.path.exists(full) else None, new_text)
     await ctx.confirm([diff], "edit", "file changes")
     write_text(full, new_text)
     replaced = count if replace_all else 1
@@ -1509,7 +1629,10 @@ def glob_regex(pattern: str) -> re.Pattern:
 
 def glob_matcher(pattern: str) -> Callable[[str], bool]:
     """A pattern without "/" matches file names at any depth; one with "/", whole paths."""
-    rx = glob_regex(pattern.lstrip("/") if "/" in pattern else pattern)
+    try:
+        rx = glob_regex(pattern.lstrip("/") if "/" in pattern else pattern)
+    except re.error as e:
+        raise ToolError(f"invalid glob pattern {pattern!r}: {e}") from None
     if "/" in pattern:
         return lambda rel: rx.match(rel) is not None
     return lambda rel: rx.match(rel.rsplit("/", 1)[-1]) is not None
@@ -1555,8 +1678,11 @@ def gitignore_rules(root: str) -> list:
         if line and not line.startswith(("#", "!")):
             directory_only = line.endswith("/")
             line = line.rstrip("/")
-            rules.append((glob_matcher(line if "/" not in line else "/" + line.lstrip("/")),
-                          directory_only))
+            try:
+                rules.append((glob_matcher(line if "/" not in line else "/" + line.lstrip("/")),
+                              directory_only))
+            except ToolError:
+                pass     # a pattern git would not understand either
     return rules
 
 
@@ -1623,20 +1749,58 @@ async def grep(ctx: ToolContext, pattern: str, path: str = ".", glob: Optional[s
     """Search file contents with a regular expression. Results come as path:line: text.
     Skips .git, files that .gitignore ignores, and binary files."""
     try:
-        rx = re.compile(pattern, re.IGNORECASE if ignore_case else 0)
+        re.compile(pattern)
     except re.error as e:
         raise ToolError(f"invalid regular expression {pattern!r}: {e}") from None
+    if glob:
+        glob_matcher(glob)
     root = ctx.resolve(path)
     if not os.path.exists(root):
         raise ToolError(f"no such file or folder: {root}")
     limit = max(1, min(max_results, 2000))
-    hits = await asyncio.to_thread(search_files, root, rx, glob, limit + 1)
+    hits = await run_search({"root": root, "pattern": pattern, "ignoreCase": ignore_case,
+                             "glob": glob, "limit": limit + 1})
     lines = [f"{ctx.display(p)}:{n}: {text}" for p, n, text in hits[:limit]]
     if len(hits) > limit:
         lines.append(f"[more than {limit} matches; narrow the search]")
     return ToolResult("\n".join(lines) or f"No matches for {pattern!r}.",
                       raw={"pattern": pattern, "path": root, "matches": len(hits[:limit])},
                       locations=[{"path": p, "line": n} for p, n, _ in hits[:20]])
+
+
+async def run_search(request: dict) -> list:
+    """Run search_files in a child process (`qcr.py --search-worker`).
+
+    Python's re holds the GIL: in a thread, a catastrophic pattern such as (a+)+$ would
+    freeze the whole agent, cancel included. A child can be killed -- by the timeout, or
+    by cancel, which lands on the await below.
+    """
+    import subprocess
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-I", "-S", os.path.abspath(__file__), "--search-worker",
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(json.dumps(request).encode()),
+                                        SEARCH_TIMEOUT)
+    except asyncio.TimeoutError:
+        raise ToolError(f"the search ran over {SEARCH_TIMEOUT}s and was stopped; search a "
+                        "smaller path or use a simpler pattern") from None
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+    try:
+        return [tuple(hit) for hit in loads(out)["hits"]]
+    except (ValueError, KeyError, TypeError):
+        raise ToolError("the search failed") from None
+
+
+def search_worker() -> int:
+    """--search-worker: one search request on stdin, its hits as JSON on stdout."""
+    request = json.load(sys.stdin)
+    rx = re.compile(request["pattern"], re.IGNORECASE if request["ignoreCase"] else 0)
+    hits = search_files(request["root"], rx, request["glob"], request["limit"])
+    sys.stdout.write(json.dumps({"hits": hits}))
+    return 0
 
 
 def search_files(root: str, rx: re.Pattern, pattern: Optional[str], limit: int) -> list:
@@ -1670,10 +1834,20 @@ def search_files(root: str, rx: re.Pattern, pattern: Optional[str], limit: int) 
 
 # -- Shell -------------------------------------------------------------------------------------
 
-def shell_key(command: str) -> str:
-    """What an "always" answer for a command covers: commands with the same first word."""
+SHELL_SYNTAX = re.compile(r"[;&|`$<>(){}\\\n*?~!]")   # anything beyond "word word word"
+
+
+def shell_scope(command: str) -> tuple:
+    """What an "always" answer covers, and its label.
+
+    A simple command ("pytest -q tests") generalises to every simple command with the same
+    first word; anything with shell syntax (;, &&, |, $(), >, globs ...) stays exact, so an
+    approval of `printf a` can never carry `printf b; rm -rf ~` along with it.
+    """
     words = command.split()
-    return "Shell:" + (words[0] if words else "")
+    if not SHELL_SYNTAX.search(command) and words:
+        return "Shell:" + words[0], f"`{words[0]}` commands"
+    return "Shell=" + command.strip(), "this exact command"
 
 
 @tool("Shell", "execute", {
@@ -1687,9 +1861,8 @@ async def shell(ctx: ToolContext, command: str, timeout: int = SHELL_TIMEOUT):
     together) and exit code. No input is connected: do not start interactive programs."""
     if not command.strip():
         raise ToolError("the command is empty")
-    first = command.split()[0]
-    await ctx.confirm([text_content(f"$ {command}")], shell_key(command),
-                      f"`{first}` commands")
+    key, label = shell_scope(command)
+    await ctx.confirm([text_content(f"$ {command}")], key, label)
     timeout = max(1, min(timeout, SHELL_TIMEOUT_MAX))
     output, code, timed_out = await run_command(command, ctx.cwd, timeout)
     status = (f"[timed out after {timeout}s; the command was killed]" if timed_out
@@ -1727,12 +1900,18 @@ async def run_command(command: str, cwd: str, timeout: float) -> tuple:
             tail.extend(chunk[max(room, 0):])
             del tail[:-half]
 
+    async def exited() -> None:
+        # Not proc.wait(): from Python 3.12 it also waits for the pipes to close, which a
+        # background child (`server &`) holds open long after the shell has exited.
+        while proc.returncode is None:
+            await asyncio.sleep(0.02)
+
     reader = asyncio.ensure_future(pump())
     timed_out = False
     try:
         try:
-            await asyncio.wait_for(proc.wait(), timeout)
-            await asyncio.wait([reader], timeout=1.0)   # output still in the pipe
+            await asyncio.wait_for(exited(), timeout)
+            await asyncio.wait([reader], timeout=0.5)   # output still in the pipe
         except asyncio.TimeoutError:
             timed_out = True
     finally:
@@ -1742,7 +1921,7 @@ async def run_command(command: str, cwd: str, timeout: float) -> tuple:
             pass
         reader.cancel()
         if proc.returncode is None:
-            await asyncio.wait([asyncio.ensure_future(proc.wait())], timeout=2.0)
+            await asyncio.wait([asyncio.ensure_future(exited())], timeout=2.0)
     text = head.decode("utf-8", "replace")
     if total > len(head) + len(tail):
         text += f"\n[... {total - len(head) - len(tail)} bytes of output omitted ...]\n"
@@ -1844,6 +2023,20 @@ def tool_message(call_id: str, text: str) -> dict:
     return {"role": "tool", "tool_call_id": call_id, "content": text}
 
 
+def merge_user_turns(messages: list) -> list:
+    """Join back-to-back user messages (left by a failed turn): some servers want turns to
+    alternate."""
+    merged: list = []
+    for message in messages:
+        if merged and message.get("role") == "user" == merged[-1].get("role") and \
+                isinstance(message.get("content"), str):
+            merged[-1] = dict(merged[-1], content=f"{merged[-1]['content']}\n\n"
+                                                   f"{message['content']}")
+        else:
+            merged.append(message)
+    return merged
+
+
 def close_open_calls(messages: list, why: str) -> None:
     """Answer tool calls left without a result (cancel, crash): models reject such a history."""
     for i in range(len(messages) - 1, -1, -1):
@@ -1879,7 +2072,8 @@ async def run_turn(agent: Agent, session: Session, text: str) -> str:
     try:
         for _ in range(agent.config.max_turn_requests):
             reply = Reply()
-            messages = [{"role": "system", "content": system_prompt(session)}] + session.messages
+            messages = [{"role": "system", "content": system_prompt(session)}]
+            messages += merge_user_turns(session.messages)
             await provider.stream(messages, tool_specs(session.mode), reply, emit)
             session.messages.append(reply.message())
             agent.save(session)
@@ -1917,7 +2111,7 @@ async def run_tool_call(agent: Agent, session: Session, call: dict) -> dict:
     call_id = "call-" + os.urandom(6).hex()
     tool_ = TOOLS.get(call["name"])
     try:
-        args, bad_json = json.loads(call["arguments"] or "{}"), None
+        args, bad_json = loads(call["arguments"] or "{}"), None
     except ValueError as e:
         args, bad_json = None, e
     fields = args if isinstance(args, dict) else {}
@@ -2010,8 +2204,9 @@ def load_config(path: Optional[str] = None, env: Optional[dict] = None) -> Confi
     for source, required in ((user_file, False), (path, True)):
         if source:
             apply_config(config, read_config_file(config, source, required), source)
-    apply_config(config, {key: env[name] for name, key in ENV_KEYS if env.get(name)},
-                 "the environment")
+    for name, key in ENV_KEYS:
+        if env.get(name):
+            apply_config(config, {key: env[name]}, "$" + name)
     if not config.base_url and config.api_key:
         config.base_url = "https://api.openai.com/v1"
     return config
@@ -2404,7 +2599,10 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--trace", nargs="?", const="-", metavar="FILE",
                         help="log every frame in both directions to FILE (default: stderr)")
     parser.add_argument("--version", action="version", version=f"qcr {__version__}")
+    parser.add_argument("--search-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.search_worker:
+        return search_worker()
     if args.selftest:
         return selftest()
     if args.acp:
