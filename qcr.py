@@ -2307,6 +2307,7 @@ class FakeModel:
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
         fake = self
         self.respond, self.requests = respond, []
+        self.disconnects = 0     # replies the client hung up on (a cancelled turn)
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
@@ -2320,7 +2321,7 @@ class FakeModel:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
 
     def serve(self, handler: Any, body: dict) -> None:
         steps = self.respond(body)
@@ -2346,7 +2347,7 @@ class FakeModel:
                     handler.wfile.write(step)
                     handler.wfile.flush()
         except OSError:      # the client went away (a cancelled turn)
-            pass
+            self.disconnects += 1
 
     def close(self) -> None:
         self.server.shutdown()

@@ -1321,6 +1321,10 @@ class TestTurns(AcpTestCase):
         response, updates, _ = self.prompt(agent, session_id, "talk", on_update=cancel_once)
         self.assertResult(response, {"stopReason": "cancelled"})
         self.assertLess(len(updates), 50)     # the stream would have sent 400 chunks
+        deadline = time.monotonic() + 5       # and qcr hung up on it, not left it running
+        while self.model.disconnects == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertEqual(self.model.disconnects, 1)
         response, updates, _ = self.prompt(agent, session_id, "again")
         self.assertEqual(text_of(updates), "Fresh answer.")
         history = self.model.requests[1]["messages"]
