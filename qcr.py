@@ -404,6 +404,14 @@ def session_info_update(title: str, updated_at: str) -> dict:
     return {"sessionUpdate": "session_info_update", "title": title, "updatedAt": updated_at}
 
 
+def usage_update(used: int, size: int, estimated: bool = False) -> dict:
+    """How full the model's context is; `_meta.estimated` when qcr counted it itself."""
+    update = {"sessionUpdate": "usage_update", "used": used, "size": size}
+    if estimated:
+        update["_meta"] = {"estimated": True}
+    return update
+
+
 # -- reading params ----------------------------------------------------------------------------
 
 def need(params: dict, name: str, kind: type = str) -> Any:
@@ -424,6 +432,14 @@ def need_cwd(params: dict) -> str:
     if not os.path.isdir(cwd):
         raise RpcError.invalid_params("cwd", "is not an existing directory")
     return os.path.normpath(cwd)
+
+
+def need_session_id(params: dict) -> str:
+    """A session id of qcr's own form: never a path, whatever the client sends."""
+    session_id = need(params, "sessionId")
+    if not SESSION_ID_RE.fullmatch(session_id):
+        raise RpcError.invalid_params("sessionId", "is not a qcr session id")
+    return session_id
 
 
 def need_mcp_servers(params: dict) -> list:
@@ -551,7 +567,7 @@ class Agent:
 
     def save(self, session: Session) -> None:
         """Write the session to disk (off the loop); a failure is told once in the thread."""
-        if not session.messages:
+        if not session.messages or session.deleted:
             return      # nothing said yet: nothing worth a file
         session.updated = time.time()
         done = self.store.save(session)
@@ -581,7 +597,7 @@ class Agent:
                 "loadSession": True,
                 "promptCapabilities": {"image": False, "audio": False, "embeddedContext": True},
                 "mcpCapabilities": {"http": False, "sse": False},
-                "sessionCapabilities": {},
+                "sessionCapabilities": {"list": {}, "resume": {}, "close": {}, "delete": {}},
             },
             "authMethods": [],
             "agentInfo": {"name": "qcr", "title": "qcr", "version": __version__},
@@ -599,26 +615,114 @@ class Agent:
         session_id = f"acp-{os.urandom(8).hex()}-{os.urandom(8).hex()}"   # CSPRNG
         session = Session(id=session_id, cwd=cwd, model=self.config.model, mcp_servers=servers)
         self.sessions[session_id] = session
-        self.save(session)
+        self.after_answer(session)
         return {"sessionId": session_id, "modes": self.modes(session),
                 "configOptions": self.config_options(session)}
 
     @rpc("session/load")
     async def session_load(self, params: dict) -> dict:
         """Reopen a saved session, replaying everything the user saw before answering."""
-        session_id = need(params, "sessionId")
-        if not SESSION_ID_RE.fullmatch(session_id):
-            raise RpcError.invalid_params("sessionId", "is not a qcr session id")
+        session = await self.reopen(params)
+        for update in session.replay():
+            self.conn.notify("session/update", {"sessionId": session.id, "update": update})
+        self.after_answer(session)
+        return {"modes": self.modes(session), "configOptions": self.config_options(session)}
+
+    @rpc("session/resume")
+    async def session_resume(self, params: dict) -> dict:
+        """Reopen a saved session without replaying it (the client still shows it)."""
+        session = await self.reopen(params)
+        self.after_answer(session)
+        return {"modes": self.modes(session), "configOptions": self.config_options(session)}
+
+    async def reopen(self, params: dict) -> Session:
+        """The session named in a load/resume request, from memory or from its file.
+
+        A damaged file never stops the editor: it is moved aside, kept for the user, and
+        the thread starts empty with a message saying so.
+        """
+        session_id = need_session_id(params)
         cwd, servers = need_cwd(params), need_mcp_servers(params)
         session = self.sessions.get(session_id)
         if session is None:
-            session = await self.store.load(session_id)
+            try:
+                session = await self.store.load(session_id)
+            except SessionDamaged as e:
+                aside = await self.store.run(self.store.move_aside, session_id)
+                log(f"session {session_id} is damaged ({e}); moved to {aside}")
+                session = Session(id=session_id, cwd=cwd, notice=(
+                    f"[error] The saved session could not be read ({e}). The file was kept "
+                    f"as {aside}; this thread starts empty."))
             self.sessions[session_id] = session
         session.cwd, session.mcp_servers = cwd, servers
         session.model = session.model or self.config.model
-        for update in session.replay():
-            self.conn.notify("session/update", {"sessionId": session.id, "update": update})
-        return {"modes": self.modes(session), "configOptions": self.config_options(session)}
+        return session
+
+    def after_answer(self, session: Session) -> None:
+        """Once the session's answer is written: its commands, usage and any notice.
+
+        Updates for a session the client does not know yet are dropped (Zed does), so
+        these are queued to run right after the response goes out.
+        """
+        def send() -> None:
+            if session.notice:
+                self.update(session, message_chunk("agent_message_chunk", session.notice))
+                session.notice = ""
+            self.announce_commands(session)
+            if session.context_used:
+                self.update(session, usage_update(session.context_used,
+                                                  context_window(self.config, session.model)))
+        asyncio.get_running_loop().call_soon(send)
+
+    def announce_commands(self, session: Session) -> None:
+        """Send available_commands_update if the set differs from what was last sent."""
+        commands = [c.available() for c in find_commands(self.config, session.cwd).values()]
+        if commands != session.commands:
+            session.commands = commands
+            self.update(session, {"sessionUpdate": "available_commands_update",
+                                  "availableCommands": commands})
+
+    @rpc("session/list")
+    async def session_list(self, params: dict) -> dict:
+        cwd, cursor = params.get("cwd"), params.get("cursor")
+        if cwd is not None and (not isinstance(cwd, str) or not os.path.isabs(cwd)):
+            raise RpcError.invalid_params("cwd", "must be an absolute path")
+        if cursor is not None and not (isinstance(cursor, str) and cursor.isdigit()):
+            raise RpcError.invalid_params("cursor", "is not a cursor from session/list")
+        start = int(cursor or 0)
+        found = [m for m in await self.store.run(self.store.list)
+                 if cwd is None or m["cwd"] == os.path.normpath(cwd)]
+        page = found[start:start + LIST_PAGE]
+        result: dict = {"sessions": [
+            {"sessionId": m["sessionId"], "cwd": m["cwd"], "updatedAt": iso_time(m["updated"]),
+             **({"title": m["title"]} if isinstance(m.get("title"), str) and m["title"]
+                else {})} for m in page]}
+        if start + LIST_PAGE < len(found):
+            result["nextCursor"] = str(start + LIST_PAGE)
+        return result
+
+    @rpc("session/close")
+    async def session_close(self, params: dict) -> dict:
+        """Cancel what runs, then let go of the session (its file stays)."""
+        session = self.session(params)
+        turn = session.turn
+        session.cancel()
+        if turn is not None and not turn.done():
+            await asyncio.wait([turn], timeout=SHUTDOWN_GRACE)
+        self.sessions.pop(session.id, None)
+        return {}
+
+    @rpc("session/delete")
+    async def session_delete(self, params: dict) -> dict:
+        session_id = need_session_id(params)
+        session = self.sessions.pop(session_id, None)
+        if session is not None:
+            session.deleted = True
+            session.cancel()
+        existed = await self.store.run(self.store.delete, session_id)  # after queued saves
+        if not existed and session is None:
+            raise RpcError.resource_not_found(f"no session {session_id}", sessionId=session_id)
+        return {}
 
     # -- modes and configuration --------------------------------------------------------------
     def modes(self, session: Session) -> dict:
@@ -693,7 +797,8 @@ class Agent:
                 f"session {session.id} is already running a turn; send session/cancel first")
         text = prompt_text(params.get("prompt"))
         session.cancelling = False
-        session.turn = asyncio.ensure_future(run_turn(self, session, text))
+        self.announce_commands(session)     # the command files may have changed
+        session.turn = asyncio.ensure_future(run_prompt(self, session, text))
         try:
             stop_reason = await session.turn
         except asyncio.CancelledError:
@@ -725,7 +830,12 @@ class Agent:
 # prompt excluded, rebuilt each turn). `transcript` is what the user saw: the session/update
 # payloads of every turn, with streamed chunks joined and each tool call merged with its
 # updates into its final state, so session/load can replay the thread as it looked live.
-# Each session is one JSON file in ~/.qcr/sessions, replaced atomically after every step.
+# Compaction shortens `messages` only; the transcript keeps everything.
+#
+# Each session is one file in ~/.qcr/sessions, replaced atomically after every step. Its first
+# line is the metadata session/list needs (id, cwd, title, times, and the length of the
+# second line, so a truncated file is caught without reading it all); the second line is
+# the body: messages, transcript, plan, remembered approvals.
 
 def iso_time(seconds: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
@@ -743,10 +853,16 @@ class Session:
     messages: list = field(default_factory=list)       # the model's context
     transcript: list = field(default_factory=list)     # the user's view, for replay
     mcp_servers: list = field(default_factory=list)    # kept; connecting is not built yet
-    allowed: dict = field(default_factory=dict)        # "always" answers: key -> allow?
+    allowed: dict = field(default_factory=dict)        # "always" answers: key -> decision
+    plan: list = field(default_factory=list)           # the latest plan entries
+    context_used: int = 0         # tokens in the model's context at the last model call
+    context_mark: int = 0         # len(messages) then: what came after is estimated
     turn: Optional[asyncio.Future] = None              # the running prompt turn
     cancelling: bool = False
     unsaved: bool = False                              # a save failed (told the user once)
+    deleted: bool = False                              # session/delete: never save again
+    notice: str = ""                                   # said in the thread when reopened
+    commands: Optional[list] = None                    # the slash commands last announced
     _run: Optional[list] = None       # [kind, [texts]] of the chunk run being streamed
     _tool_at: dict = field(default_factory=dict)       # tool call id -> transcript index
 
@@ -793,12 +909,14 @@ class Session:
         return updates
 
     def to_json(self) -> dict:
+        """The file's content: metadata (META_KEYS) and body, as one dict of shallow copies."""
         self._close_run()
-        return {"version": 1, "sessionId": self.id, "cwd": self.cwd, "mode": self.mode,
+        return {"version": 2, "sessionId": self.id, "cwd": self.cwd, "mode": self.mode,
                 "model": self.model, "title": self.title, "createdAt": iso_time(self.created),
                 "updatedAt": iso_time(self.updated), "created": self.created,
-                "updated": self.updated, "messages": list(self.messages),
-                "transcript": list(self.transcript)}
+                "updated": self.updated, "contextUsed": self.context_used,
+                "messages": list(self.messages), "transcript": list(self.transcript),
+                "plan": list(self.plan), "allowed": dict(self.allowed)}
 
     @classmethod
     def from_json(cls, session_id: str, data: dict) -> Session:
@@ -812,11 +930,20 @@ class Session:
             return float(value) if isinstance(value, (int, float)) else time.time()
         messages = data.get("messages") if isinstance(data.get("messages"), list) else []
         transcript = data.get("transcript") if isinstance(data.get("transcript"), list) else []
+        allowed = data.get("allowed") if isinstance(data.get("allowed"), dict) else {}
         session = cls(id=session_id, cwd=text("cwd"), mode=text("mode"), model=text("model"),
                       title=text("title"), created=number("created"), updated=number("updated"),
                       messages=[m for m in messages if isinstance(m, dict)
                                 and isinstance(m.get("role"), str)],
-                      transcript=[u for u in transcript if replayable(u)])
+                      transcript=[u for u in transcript if replayable(u)],
+                      allowed={k: v for k, v in allowed.items() if isinstance(v, dict)
+                               and isinstance(v.get("allow"), bool)
+                               and isinstance(v.get("label"), str)})
+        latest_plan = [u for u in session.transcript if u["sessionUpdate"] == "plan"]
+        session.plan = latest_plan[-1]["entries"] if latest_plan else []
+        used = data.get("contextUsed")
+        if isinstance(used, int) and not isinstance(used, bool) and used > 0:
+            session.context_used, session.context_mark = used, len(session.messages)
         if session.mode not in MODE_IDS:
             session.mode = "default"
         for i, update in enumerate(session.transcript):
@@ -842,12 +969,32 @@ def replayable(update: Any) -> bool:
     return False
 
 
-class SessionStore:
-    """One JSON file per session under `root`, written off the event loop.
+META_KEYS = ("version", "sessionId", "cwd", "title", "mode", "model", "createdAt", "updatedAt",
+             "created", "updated", "contextUsed")
+LIST_PAGE = 50      # sessions per session/list page
 
-    Writes go through a single worker thread, so they land in the order they were asked
-    for; each one is a temporary file, fsync, then rename -- a crash leaves the old file
-    or the new one, never half of one.
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+class SessionDamaged(Exception):
+    """A session file that cannot be read back (truncated, corrupt, not qcr's)."""
+
+
+class SessionStore:
+    """One file per session under `root`, written off the event loop.
+
+    All file work goes through a single worker thread, so writes land in the order they
+    were asked for, and a list or delete sees every save asked for before it. Each write is
+    a temporary file, fsync, then rename: a crash (even SIGKILL) leaves the old file or the
+    new one, never half of one.
     """
 
     def __init__(self, root: str):
@@ -859,20 +1006,32 @@ class SessionStore:
             raise RpcError.invalid_params("sessionId", "is not a qcr session id")
         return os.path.join(self.root, session_id + ".json")
 
-    def save(self, session: Session) -> Any:
-        """Queue a write of the session; returns its concurrent.futures.Future."""
+    def submit(self, fn: Callable, *args) -> Any:
+        """Run fn in the store's worker thread; a concurrent.futures.Future."""
         from concurrent.futures import ThreadPoolExecutor
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="qcr-save")
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="qcr-store")
+        return self._executor.submit(fn, *args)
+
+    def run(self, fn: Callable, *args) -> Any:
+        """The same, awaitable from the event loop."""
+        return asyncio.wrap_future(self.submit(fn, *args))
+
+    def save(self, session: Session) -> Any:
+        """Queue a write of the session; returns its concurrent.futures.Future."""
         snapshot = session.to_json()      # shallow copies: later appends don't race the write
-        return self._executor.submit(self._write, self.path(session.id), snapshot)
+        return self.submit(self._write, self.path(session.id), snapshot)
 
     def _write(self, path: str, data: dict) -> None:
+        body = json.dumps({k: v for k, v in data.items() if k not in META_KEYS},
+                          separators=(",", ":"))
+        meta = {k: data[k] for k in META_KEYS if k in data}
+        meta["bodyChars"] = len(body)          # ASCII JSON: characters are bytes
         os.makedirs(self.root, exist_ok=True)
         temporary = f"{path}.{os.getpid()}.tmp"
         try:
-            with open(temporary, "w", encoding="utf-8") as f:
-                json.dump(data, f, separators=(",", ":"))
+            with open(temporary, "w", encoding="ascii") as f:
+                f.write(json.dumps(meta, separators=(",", ":")) + "\n" + body + "\n")
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(temporary, path)
@@ -883,26 +1042,90 @@ class SessionStore:
     def flush(self) -> None:
         """Wait for every save asked for so far."""
         if self._executor is not None:
-            self._executor.submit(lambda: None).result()
+            self.submit(lambda: None).result()
+
+    @staticmethod
+    def read_meta(f: Any) -> dict:
+        """The metadata line of an open session file, checked against the file's size."""
+        first = f.readline()
+        meta = loads(first.decode("ascii"))
+        if not isinstance(meta, dict) or not isinstance(meta.get("bodyChars"), int):
+            raise SessionDamaged("no metadata line")
+        if os.fstat(f.fileno()).st_size != len(first) + meta["bodyChars"] + 1:
+            raise SessionDamaged("the file is truncated")
+        return meta
+
+    def read(self, session_id: str) -> dict:
+        """The whole file as one dict; SessionDamaged if it cannot be trusted."""
+        self.sweep(session_id)
+        try:
+            with open(self.path(session_id), "rb") as f:
+                meta = self.read_meta(f)
+                body = loads(f.read().decode("ascii"))
+        except FileNotFoundError:
+            raise
+        except (OSError, ValueError, RecursionError) as e:
+            raise SessionDamaged(str(e)) from None
+        if not isinstance(body, dict):
+            raise SessionDamaged("the body is not a JSON object")
+        return {**body, **meta}
 
     async def load(self, session_id: str) -> Session:
-        path = self.path(session_id)
-
-        def read() -> dict:
-            with open(path, encoding="utf-8") as f:
-                return json.load(f)
-        self.flush()
+        """A saved session; -32002 if there is none, SessionDamaged if it is unreadable."""
         try:
-            data = await asyncio.get_running_loop().run_in_executor(None, read)
-            if not isinstance(data, dict):
-                raise ValueError("not a JSON object")
-            return Session.from_json(session_id, data)
+            data = await self.run(self.read, session_id)
         except FileNotFoundError:
             raise RpcError.resource_not_found(f"no saved session {session_id}",
                                               sessionId=session_id) from None
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise RpcError.internal_error(
-                f"session file {path} is damaged and cannot be loaded: {e}") from None
+        return Session.from_json(session_id, data)
+
+    def sweep(self, session_id: str) -> None:
+        """Remove temporary files that a killed qcr left behind for this session."""
+        prefix = session_id + ".json."
+        try:
+            names = [n for n in os.listdir(self.root) if n.startswith(prefix)]
+        except OSError:
+            return
+        for name in names:
+            pid = name[len(prefix):-len(".tmp")]
+            if name.endswith(".tmp") and pid.isdigit() and not process_alive(int(pid)):
+                try:
+                    os.remove(os.path.join(self.root, name))
+                except OSError:
+                    pass
+
+    def move_aside(self, session_id: str) -> str:
+        """Keep a damaged file for the user, out of the way; returns where it went."""
+        path = self.path(session_id)
+        aside = f"{path}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
+        os.replace(path, aside)
+        return aside
+
+    def delete(self, session_id: str) -> bool:
+        try:
+            os.remove(self.path(session_id))
+            return True
+        except FileNotFoundError:
+            return False
+
+    def list(self) -> list:
+        """Metadata of every readable session, newest first; damaged files are skipped."""
+        try:
+            names = [n for n in os.listdir(self.root) if n.endswith(".json")]
+        except OSError:
+            return []
+        found = []
+        for name in names:
+            if not SESSION_ID_RE.fullmatch(name[:-5]):
+                continue
+            try:
+                with open(os.path.join(self.root, name), "rb") as f:
+                    meta = self.read_meta(f)
+            except (OSError, ValueError, SessionDamaged):
+                continue
+            if isinstance(meta.get("cwd"), str) and isinstance(meta.get("updated"), (int, float)):
+                found.append(dict(meta, sessionId=name[:-5]))
+        return sorted(found, key=lambda m: m["updated"], reverse=True)
 
 
 # =============================================================================================
@@ -1320,6 +1543,7 @@ class ToolContext:
             self.agent.update(self.session, tool_call_update(self.call_id, status="in_progress"))
 
     def plan(self, entries: list) -> None:
+        self.session.plan = entries
         self.agent.update(self.session, plan(entries))
 
     async def confirm(self, content: list, key: str, label: str) -> None:
@@ -1332,10 +1556,11 @@ class ToolContext:
         session = self.session
         if session.mode == "plan":
             raise ToolError(PLAN_REFUSAL)
+        remembered = session.allowed.get(key)
         if session.mode == "auto-edit" and self.tool.kind != "execute":
             allowed: Optional[bool] = True
         else:
-            allowed = session.allowed.get(key)
+            allowed = remembered["allow"] if remembered else None
         if allowed is None:
             allowed = await self.ask(content, key, label)
         if not allowed:
@@ -1368,7 +1593,7 @@ class ToolContext:
         option = outcome.get("optionId")
         allowed = option in ("allow_once", "allow_always")
         if option in ("allow_always", "reject_always"):
-            session.allowed[key] = allowed
+            session.allowed[key] = {"allow": allowed, "label": label}
         return allowed
 
 
@@ -2051,13 +2276,17 @@ def close_open_calls(messages: list, why: str) -> None:
             return
 
 
-async def run_turn(agent: Agent, session: Session, text: str) -> str:
-    """Run one prompt to its end; returns the ACP stop reason."""
+async def run_turn(agent: Agent, session: Session, text: str, shown: str = "") -> str:
+    """Run one prompt to its end; returns the ACP stop reason.
+
+    `text` goes to the model; `shown` (the slash command the user typed, when `text` is its
+    expansion) is what the thread shows and replays.
+    """
     close_open_calls(session.messages, "Not run: the turn was interrupted.")
     session.messages.append({"role": "user", "content": text})
-    session.record(message_chunk("user_message_chunk", text))
+    session.record(message_chunk("user_message_chunk", shown or text))
     if not session.title:
-        session.title = " ".join(text.split())[:80] or "Untitled"
+        session.title = " ".join((shown or text).split())[:80] or "Untitled"
         agent.update(session, session_info_update(session.title, iso_time(time.time())))
     agent.save(session)
 
@@ -2071,11 +2300,15 @@ async def run_turn(agent: Agent, session: Session, text: str) -> str:
     reply: Optional[Reply] = None
     try:
         for _ in range(agent.config.max_turn_requests):
+            if needs_compaction(agent, session):
+                await compact(agent, session, "", automatic=True)
             reply = Reply()
             messages = [{"role": "system", "content": system_prompt(session)}]
             messages += merge_user_turns(session.messages)
-            await provider.stream(messages, tool_specs(session.mode), reply, emit)
+            tools = tool_specs(session.mode)
+            await provider.stream(messages, tools, reply, emit)
             session.messages.append(reply.message())
+            report_usage(agent, session, reply, messages, tools)
             agent.save(session)
             calls, finish, reply = reply.calls, reply.finish, None
             if finish == "length":
@@ -2159,6 +2392,317 @@ def fail_tool_call(agent: Agent, session: Session, call: dict, call_id: str, why
     return tool_message(call["id"], "Error: " + why)
 
 
+# -- Usage and compaction ----------------------------------------------------------------------
+#
+# After every model call the client hears how full the context is (usage_update): the
+# server's own count when it sends one, else qcr's estimate (about four characters a token).
+# Before a model call, when the context has passed `compactAt` of the window, the older
+# part of the conversation is summarised by the model and replaced by that summary; the most
+# recent turns and the current plan stay as they are. /compact does the same on demand.
+
+CONTEXT_WINDOWS = [    # model name pattern -> context window in tokens; the first match wins
+    (r"gpt-4\.1", 1_047_576), (r"gpt-5", 400_000), (r"gpt-4o|gpt-4-turbo", 128_000),
+    (r"(^|/)o[1-9]", 200_000), (r"claude", 200_000), (r"gemini", 1_048_576),
+    (r"qwen3-coder", 262_144), (r"qwen", 32_768), (r"deepseek", 128_000),
+    (r"llama-?3\.[1-3]", 128_000), (r"codestral", 256_000), (r"mistral|mixtral", 32_768),
+    (r"kimi|moonshot", 131_072), (r"glm", 128_000), (r"gpt-oss", 131_072),
+]
+DEFAULT_CONTEXT_WINDOW = 32_768    # tokens, for a model nobody has told qcr about
+KEEP_SHARE = 0.3                   # compaction keeps recent turns up to this share of the window
+SUMMARY_INTRO = ("[Summary of the earlier conversation, written when the context was "
+                 "compacted. The turns after it are verbatim.]\n\n")
+COMPACT_INSTRUCTIONS = (
+    "You summarise a coding session so that it can go on without its full history. Write a "
+    "complete, concise summary in Markdown bullets: the user's goals and requests (quote the "
+    "latest one), decisions made, files read and changed (with paths) and how, commands run "
+    "and their outcomes, errors and how they were resolved, and what remains to do. Invent "
+    "nothing.")
+
+
+def context_window(config: Config, model: str) -> int:
+    """The model's context window: from the configuration, else the table, else the default."""
+    if config.context_window:
+        return config.context_window
+    for pattern, size in CONTEXT_WINDOWS:
+        if re.search(pattern, model.lower()):
+            return size
+    return DEFAULT_CONTEXT_WINDOW
+
+
+def estimate_tokens(messages: list) -> int:
+    """About four characters a token, plus a little per message."""
+    chars = 0
+    for message in messages:
+        content = message.get("content")
+        chars += len(content) if isinstance(content, str) else len(json.dumps(content or ""))
+        for call in message.get("tool_calls") or []:
+            chars += len(json.dumps(call))
+        chars += 16
+    return chars // 4 + 1
+
+
+def report_usage(agent: Agent, session: Session, reply: Reply, sent: list, tools: list) -> None:
+    usage = reply.usage or {}
+    total = usage.get("total_tokens")
+    if not isinstance(total, int) or isinstance(total, bool):
+        parts = [usage.get("prompt_tokens"), usage.get("completion_tokens")]
+        total = sum(parts) if all(isinstance(p, int) for p in parts) else None
+    estimated = not total
+    if estimated:
+        total = estimate_tokens(sent + [reply.message()]) + len(json.dumps(tools)) // 4
+    session.context_used, session.context_mark = total, len(session.messages)
+    agent.update(session, usage_update(total, context_window(agent.config, session.model),
+                                       estimated))
+
+
+def context_now(session: Session) -> int:
+    """Tokens in context: the last count, plus an estimate of what came after it."""
+    if session.context_used and session.context_mark <= len(session.messages):
+        return session.context_used + estimate_tokens(session.messages[session.context_mark:])
+    return estimate_tokens(session.messages)
+
+
+def needs_compaction(agent: Agent, session: Session) -> bool:
+    window = context_window(agent.config, session.model)
+    return context_now(session) > agent.config.compact_at * window and \
+        compaction_cut(session.messages, int(window * KEEP_SHARE)) > 1
+
+
+def compaction_cut(messages: list, keep_tokens: int) -> int:
+    """Where the kept tail starts: the earliest turn boundary (a user or assistant message,
+    so a tool call never loses its result) whose tail fits keep_tokens -- or, if even the
+    last step is larger, that last step. 0 means there is nothing older to summarise."""
+    cut, tail = 0, 0
+    for i in range(len(messages) - 1, 0, -1):
+        tail += estimate_tokens([messages[i]])
+        if messages[i].get("role") in ("user", "assistant"):
+            if tail > keep_tokens and cut:
+                break
+            cut = i
+    return cut
+
+
+def render_history(messages: list, limit: int) -> str:
+    """Old messages as plain text for the summariser, long outputs clipped."""
+    def clip(text: str, size: int) -> str:
+        return text if len(text) <= size else text[:size] + f" [... {len(text) - size} more]"
+    parts = []
+    for message in messages:
+        content = message.get("content")
+        content = content if isinstance(content, str) else json.dumps(content)
+        if message.get("role") == "tool":
+            parts.append("[tool result]\n" + clip(content, 2000))
+            continue
+        if content:
+            parts.append(f"[{message.get('role')}]\n" + clip(content, 8000))
+        for call in message.get("tool_calls") or []:
+            function = call.get("function") or {}
+            parts.append(f"[{message.get('role')} calls {function.get('name')}] "
+                         + clip(str(function.get("arguments")), 1000))
+    return "\n\n".join(parts)[-limit:]
+
+
+async def compact(agent: Agent, session: Session, instructions: str, automatic: bool) -> bool:
+    """Summarise the older part of the model's context, shown as its own tool call.
+
+    Automatic compaction keeps the recent turns up to KEEP_SHARE of the window; /compact
+    keeps only the last step."""
+    window = context_window(agent.config, session.model)
+    before = estimate_tokens(session.messages)
+    call_id = "compact-" + os.urandom(6).hex()
+    agent.update(session, tool_call(call_id, "Compact the conversation", "other", [], {
+        "instructions": instructions, "automatic": automatic}))
+    cut = compaction_cut(session.messages, int(window * KEEP_SHARE) if automatic else 0)
+    if cut == 0:
+        agent.update(session, tool_call_update(call_id, status="completed", content=[
+            text_content("Nothing to compact: the whole conversation is recent.")]))
+        return False
+    agent.update(session, tool_call_update(call_id, status="in_progress"))
+    request = render_history(session.messages[:cut], window * 2)
+    if instructions:
+        request += "\n\nIn the summary, also: " + instructions
+    reply = Reply()
+    try:
+        await OpenAIProvider(agent.config, session.model).stream(
+            [{"role": "system", "content": COMPACT_INSTRUCTIONS},
+             {"role": "user", "content": request}], [], reply, lambda kind, text: None)
+        if not reply.text.strip():
+            raise ProviderError("the model returned an empty summary")
+    except ProviderError as e:
+        fail_tool_call(agent, session, {"id": ""}, call_id, f"Not compacted: {e}")
+        return False
+    except asyncio.CancelledError:
+        fail_tool_call(agent, session, {"id": ""}, call_id, "Cancelled by the user.")
+        raise
+    summary = reply.text.strip()
+    kept_plan = "".join(f"\n- [{e['status']}] {e['content']}" for e in session.plan)
+    head = SUMMARY_INTRO + summary + (f"\n\nThe current plan:{kept_plan}" if kept_plan else "")
+    session.messages[:cut] = [{"role": "user", "content": head}]
+    after = estimate_tokens(session.messages)
+    session.context_used, session.context_mark = after, len(session.messages)
+    agent.update(session, tool_call_update(call_id, status="completed", content=[text_content(
+        f"Compacted the conversation from about {before:,} to {after:,} tokens.\n\n{summary}")],
+        rawOutput={"tokensBefore": before, "tokensAfter": after, "summarisedMessages": cut}))
+    agent.update(session, usage_update(after, window, estimated=True))
+    agent.save(session)
+    return True
+
+
+# -- Slash commands ----------------------------------------------------------------------------
+#
+# The client shows the commands from available_commands_update in its "/" menu and sends the
+# choice back as plain text: "/mode plan". Built-ins are handled here; a user command
+# (~/.qcr/commands/NAME.md) or project command (<cwd>/.qcr/commands/NAME.md) is a Markdown
+# prompt template whose $ARGUMENTS becomes what followed the name. Any other "/word" is
+# ordinary text for the model.
+
+@dataclass
+class Command:
+    name: str
+    description: str
+    hint: str = ""                     # shown in the input box; "" = takes no input
+    template: Optional[str] = None     # a prompt template; None for a built-in
+    run: Optional[Callable] = None     # a built-in: async (agent, session, args) -> stop reason
+
+    def available(self) -> dict:
+        command: dict = {"name": self.name, "description": self.description}
+        if self.hint:
+            command["input"] = {"hint": self.hint}
+        return command
+
+
+INIT_PROMPT = (
+    "Explore this project -- its folders, README, build and test files, and a few central "
+    "source files -- and write QCR.md at the project root for future sessions: what the "
+    "project is, how to build, test and run it, its layout, the conventions to follow, and "
+    "anything surprising. Keep it under 150 lines. If QCR.md exists, improve it instead.")
+
+
+def find_commands(config: Config, cwd: str) -> dict:
+    """Built-ins, then user commands, then project commands (a project one wins a name)."""
+    commands = {c.name: c for c in BUILTIN_COMMANDS}
+    for folder in (os.path.join(config.home, "commands"), os.path.join(cwd, ".qcr", "commands")):
+        try:
+            names = sorted(os.listdir(folder))
+        except OSError:
+            continue
+        for name in names:
+            stem = name[:-3]
+            if name.endswith(".md") and re.fullmatch(r"[A-Za-z0-9][\w.-]*", stem) and \
+                    stem not in BUILTIN_NAMES:
+                command = read_command(os.path.join(folder, name), stem)
+                if command:
+                    commands[stem] = command
+    return commands
+
+
+def read_command(path: str, name: str) -> Optional[Command]:
+    """A prompt template; its description from front matter or its first line."""
+    text = read_context_file(path)
+    if not text:
+        return None
+    fields = {}
+    front = re.match(r"---\n(.*?)\n---\n?", text, re.S)
+    if front:
+        for line in front.group(1).splitlines():
+            key, _, value = line.partition(":")
+            fields[key.strip().lower()] = value.strip().strip("\"'")
+        text = text[front.end():]
+    first = next((line.strip("# ").strip() for line in text.splitlines() if line.strip()), "")
+    description = fields.get("description") or first[:100] or name
+    hint = fields.get("argument-hint") or ("arguments" if "$ARGUMENTS" in text else "")
+    return Command(name, description, hint, template=text.strip())
+
+
+async def run_prompt(agent: Agent, session: Session, text: str) -> str:
+    """A prompt is a slash command, or a turn for the model."""
+    match = re.match(r"/([A-Za-z0-9][\w.-]*)(?:\s+(.*))?\Z", text.strip(), re.S)
+    command = find_commands(agent.config, session.cwd).get(match.group(1)) if match else None
+    if command is None:
+        return await run_turn(agent, session, text)
+    args = (match.group(2) or "").strip()
+    if command.run is not None:
+        return await command.run(agent, session, args, text)
+    if "$ARGUMENTS" in command.template:
+        prompt = command.template.replace("$ARGUMENTS", args)
+    else:
+        prompt = command.template + (f"\n\n{args}" if args else "")
+    return await run_turn(agent, session, prompt, shown=text)
+
+
+def answer(agent: Agent, session: Session, typed: str, reply: str) -> str:
+    """A built-in command's exchange, in the thread (and its replay), not in the model's."""
+    session.record(message_chunk("user_message_chunk", typed))
+    agent.update(session, message_chunk("agent_message_chunk", reply))
+    return "end_turn"
+
+
+async def command_init(agent: Agent, session: Session, args: str, typed: str) -> str:
+    return await run_turn(agent, session, INIT_PROMPT + (f"\n\n{args}" if args else ""),
+                          shown=typed)
+
+
+async def command_compact(agent: Agent, session: Session, args: str, typed: str) -> str:
+    session.record(message_chunk("user_message_chunk", typed))
+    await compact(agent, session, args, automatic=False)
+    return "end_turn"
+
+
+async def command_mode(agent: Agent, session: Session, args: str, typed: str) -> str:
+    if args not in MODE_IDS:
+        return answer(agent, session, typed, f"The mode is **{session.mode}**. Choose one of: "
+                      + ", ".join(f"`{m}`" for m in MODE_IDS) + " -- e.g. `/mode plan`.")
+    agent.set_mode(session, args, "mode")
+    return answer(agent, session, typed, f"Mode: **{args}**.")
+
+
+async def command_model(agent: Agent, session: Session, args: str, typed: str) -> str:
+    models = agent.models(session)
+    if args not in models:
+        return answer(agent, session, typed, f"The model is **{session.model or NO_MODEL}**. "
+                      "Choose one of: " + ", ".join(f"`{m}`" for m in models) +
+                      " (add more with `models` in ~/.qcr/config.json).")
+    agent.set_model(session, args, "model")
+    return answer(agent, session, typed, f"Model: **{args}**.")
+
+
+async def command_permissions(agent: Agent, session: Session, args: str, typed: str) -> str:
+    remembered = list(session.allowed.items())
+    words = args.split()
+    if words[:1] == ["revoke"] and len(words) == 2:
+        if words[1] == "all":
+            session.allowed.clear()
+            return answer(agent, session, typed, "Revoked every remembered answer.")
+        if words[1].isdigit() and 1 <= int(words[1]) <= len(remembered):
+            key, entry = remembered[int(words[1]) - 1]
+            del session.allowed[key]
+            return answer(agent, session, typed, f"Revoked: {describe_answer(entry)}.")
+    if not remembered:
+        return answer(agent, session, typed, "No remembered answers in this session: every "
+                      "change and command asks first (in the default mode).")
+    lines = [f"{i}. {describe_answer(entry)}" for i, (_, entry) in enumerate(remembered, 1)]
+    return answer(agent, session, typed, "Remembered in this session:\n" + "\n".join(lines) +
+                  "\n\n`/permissions revoke N` forgets one, `/permissions revoke all` all.")
+
+
+def describe_answer(entry: dict) -> str:
+    return f"{'always allow' if entry['allow'] else 'always reject'} {entry['label']}"
+
+
+BUILTIN_COMMANDS = [
+    Command("init", "Explore the project and write QCR.md, the notes qcr reads every turn",
+            "what to focus on (optional)", run=command_init),
+    Command("compact", "Summarise the conversation so far to free context",
+            "what the summary must keep (optional)", run=command_compact),
+    Command("mode", "Switch mode: default, plan or auto-edit", "default | plan | auto-edit",
+            run=command_mode),
+    Command("model", "Switch the model", "model id", run=command_model),
+    Command("permissions", "List remembered approvals, or revoke them", "revoke N | revoke all",
+            run=command_permissions),
+]
+BUILTIN_NAMES = {c.name for c in BUILTIN_COMMANDS}
+
+
 # =============================================================================================
 # 7. Config: where the model server is, and the limits
 # =============================================================================================
@@ -2177,6 +2721,8 @@ class Config:
     max_tokens: Optional[int] = None
     max_turn_requests: int = 50                  # model calls in one prompt turn
     request_timeout: float = 300.0               # seconds without a byte from the server
+    context_window: int = 0                      # tokens; 0 = by model name (see CONTEXT_WINDOWS)
+    compact_at: float = 0.8                      # share of the window that triggers compaction
     home: str = ""                               # ~/.qcr
     problems: list = field(default_factory=list) # mistakes in the configuration, for the user
 
@@ -2186,13 +2732,15 @@ CONFIG_KEYS = {    # config.json key -> (Config attribute, type)
     "models": ("models", list), "temperature": ("temperature", float),
     "maxTokens": ("max_tokens", int), "maxTurnRequests": ("max_turn_requests", int),
     "requestTimeout": ("request_timeout", float),
+    "contextWindow": ("context_window", int), "compactAt": ("compact_at", float),
 }
 ENV_KEYS = [       # environment variable -> config.json key; later ones win
     ("OPENAI_BASE_URL", "baseUrl"), ("OPENAI_API_KEY", "apiKey"), ("OPENAI_MODEL", "model"),
     ("QCR_BASE_URL", "baseUrl"), ("QCR_API_KEY", "apiKey"), ("QCR_MODEL", "model"),
     ("QCR_MODELS", "models"), ("QCR_TEMPERATURE", "temperature"),
     ("QCR_MAX_TOKENS", "maxTokens"), ("QCR_MAX_TURN_REQUESTS", "maxTurnRequests"),
-    ("QCR_REQUEST_TIMEOUT", "requestTimeout"),
+    ("QCR_REQUEST_TIMEOUT", "requestTimeout"), ("QCR_CONTEXT_WINDOW", "contextWindow"),
+    ("QCR_COMPACT_AT", "compactAt"),
 ]
 
 
@@ -2247,6 +2795,8 @@ def apply_config(config: Config, data: dict, source: str) -> None:
                 value = kind(value)
                 if kind is int and value < 1:
                     raise ValueError("must be at least 1")
+                if key == "compactAt" and not 0 < value <= 1:
+                    raise ValueError("must be a share of the window, above 0 and at most 1")
         except (TypeError, ValueError) as e:
             config.problems.append(f"setting {key!r} in {source} is invalid ({e}); ignored")
             continue
@@ -2276,7 +2826,11 @@ def completion_chunk(delta: Optional[dict] = None, finish: Optional[str] = None,
     return chunk
 
 
-def scripted_reply(text: str = "", calls: tuple = (), finish: Optional[str] = None) -> list:
+SCRIPTED_USAGE = {"prompt_tokens": 100, "completion_tokens": 20, "total_tokens": 120}
+
+
+def scripted_reply(text: str = "", calls: tuple = (), finish: Optional[str] = None,
+                   usage: Optional[dict] = SCRIPTED_USAGE) -> list:
     """SSE events for one reply: text in small pieces, tool calls with split arguments."""
     events = [sse(completion_chunk({"role": "assistant", "content": ""}))]
     events += [sse(completion_chunk({"content": text[i:i + 8]})) for i in range(0, len(text), 8)]
@@ -2289,8 +2843,7 @@ def scripted_reply(text: str = "", calls: tuple = (), finish: Optional[str] = No
         events.append(sse(completion_chunk({"tool_calls": [{
             "index": index, "function": {"arguments": encoded[half:]}}]})))
     events.append(sse(completion_chunk(finish=finish or ("tool_calls" if calls else "stop"),
-                                       usage={"prompt_tokens": 100, "completion_tokens": 20,
-                                              "total_tokens": 120})))
+                                       usage=usage)))
     events.append(sse(b"[DONE]"))
     return events
 

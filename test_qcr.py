@@ -223,6 +223,8 @@ class AcpTestCase(unittest.TestCase):
         self.assertEqual(response["result"]["protocolVersion"], 1)
         response, _, _ = agent.call("session/new", {"cwd": cwd or self.project,
                                                     "mcpServers": []})
+        self.commands = agent.recv()["params"]["update"]     # announced right after
+        self.assertEqual(self.commands["sessionUpdate"], "available_commands_update")
         return response["result"]["sessionId"]
 
     def prompt(self, agent, session_id, text, **kw):
@@ -262,6 +264,21 @@ class AcpTestCase(unittest.TestCase):
         """The tool results the model got in one request."""
         return [m["content"] for m in self.model.requests[request_index]["messages"]
                 if m["role"] == "tool"]
+
+
+def read_session_file(path):
+    """A session file: a metadata line, then the body line."""
+    with open(path, encoding="ascii") as f:
+        meta, body = f.read().splitlines()
+    return dict(json.loads(body), **json.loads(meta))
+
+
+def write_session_file(path, meta, body):
+    """A session file in qcr's format, with whatever content a test wants in it."""
+    body = json.dumps(body)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="ascii") as f:
+        f.write(json.dumps(dict(meta, bodyChars=len(body))) + "\n" + body + "\n")
 
 
 def kinds(updates):
@@ -605,8 +622,7 @@ class TestPersistence(AcpTestCase):
         def answer(frame):   # while permission is pending, the model's reply reaches disk
             deadline = time.monotonic() + 5
             while time.monotonic() < deadline:
-                with open(self.session_file(session_id), encoding="utf-8") as f:
-                    messages = json.load(f)["messages"]
+                messages = read_session_file(self.session_file(session_id))["messages"]
                 if len(messages) > 1:
                     break
                 time.sleep(0.02)
@@ -617,8 +633,7 @@ class TestPersistence(AcpTestCase):
         self.assertEqual([m["role"] for m in seen_on_disk[0]], ["user", "assistant"])
         self.assertEqual(seen_on_disk[0][1]["tool_calls"][0]["function"]["name"], "EditFile")
         self.assertEqual(agent.close(), 0)
-        with open(self.session_file(session_id), encoding="utf-8") as f:
-            saved = json.load(f)
+        saved = read_session_file(self.session_file(session_id))
         self.assertEqual([m["role"] for m in saved["messages"]],
                          ["user", "assistant", "tool", "assistant"])
         self.assertEqual(saved["title"], "make it 2")
@@ -632,6 +647,8 @@ class TestPersistence(AcpTestCase):
         self.assertEqual(response["result"]["modes"]["currentModeId"], "default")
         self.assertEqual(kinds(replay), ["user_message_chunk", "tool_call",
                                          "agent_message_chunk", "session_info_update"])
+        self.assertEqual(kinds([agent.recv()["params"]["update"]]),
+                         ["available_commands_update"])
         self.assertEqual(replay[0]["content"]["text"], "make it 2")
         call = replay[1]
         self.assertEqual((call["kind"], call["status"]), ("edit", "completed"))
@@ -649,14 +666,14 @@ class TestPersistence(AcpTestCase):
 
     def test_a_session_file_is_trusted_for_nothing(self):
         session_id = "acp-" + "4" * 16 + "-" + "5" * 16
-        os.makedirs(os.path.dirname(self.session_file(session_id)))
-        with open(self.session_file(session_id), "w") as f:
-            json.dump({"sessionId": "acp-" + "9" * 16 + "-" + "9" * 16, "cwd": 3,
-                       "title": 5, "mode": "chaos", "messages": "x", "transcript": [
-                           {"sessionUpdate": "plan", "entries": "zz"},
-                           {"sessionUpdate": "agent_message_chunk",
-                            "content": {"type": "text", "text": "kept"}},
-                           {"sessionUpdate": "tool_call_update", "toolCallId": "x"}, 7]}, f)
+        write_session_file(self.session_file(session_id), {
+            "sessionId": "acp-" + "9" * 16 + "-" + "9" * 16, "cwd": 3, "title": 5,
+            "mode": "chaos", "updated": 1.0}, {
+            "messages": "x", "allowed": {"k": {"allow": "yes"}}, "transcript": [
+                {"sessionUpdate": "plan", "entries": "zz"},
+                {"sessionUpdate": "agent_message_chunk",
+                 "content": {"type": "text", "text": "kept"}},
+                {"sessionUpdate": "tool_call_update", "toolCallId": "x"}, 7]})
         agent = self.start()
         agent.call("initialize", {"protocolVersion": 1})
         response, replay, _ = agent.call("session/load", {
@@ -716,14 +733,349 @@ class TestPersistence(AcpTestCase):
         response, _, _ = agent.call("session/load", dict(params, sessionId=missing))
         self.assertRpcError(response, qcr.RESOURCE_NOT_FOUND)
         self.assertEqual(response["error"]["data"], {"sessionId": missing})
-        damaged = "acp-" + "2" * 16 + "-" + "3" * 16
-        os.makedirs(os.path.dirname(self.session_file(damaged)), exist_ok=True)
-        with open(self.session_file(damaged), "w") as f:
-            f.write('{"sessionId": "acp-')
-        response, _, _ = agent.call("session/load", dict(params, sessionId=damaged))
-        self.assertRpcError(response, qcr.INTERNAL_ERROR, "damaged")
         response, _, _ = agent.call("initialize", {"protocolVersion": 1})
         self.assertResult(response)
+
+
+def visible(updates):
+    """The thread a client shows: text runs joined, tool calls in their final state, plans."""
+    thread, calls = [], {}
+    for u in updates:
+        kind = u["sessionUpdate"]
+        if kind.endswith("_chunk"):
+            if thread and thread[-1][0] == kind:
+                thread[-1][1] += u["content"]["text"]
+            else:
+                thread.append([kind, u["content"]["text"]])
+        elif kind == "tool_call":
+            calls[u["toolCallId"]] = {k: v for k, v in u.items() if k != "sessionUpdate"}
+            thread.append(["tool", u["toolCallId"]])
+        elif kind == "tool_call_update":
+            calls[u["toolCallId"]].update({k: v for k, v in u.items() if k != "sessionUpdate"})
+        elif kind == "plan":
+            thread.append(["plan", u["entries"]])
+    return [[kind, calls[value] if kind == "tool" else value] for kind, value in thread]
+
+
+class TestSessionsThatLast(AcpTestCase):
+    def session_file(self, session_id):
+        return os.path.join(self.home, ".qcr", "sessions", session_id + ".json")
+
+    def reopen(self, method, session_id, **kw):
+        agent = self.start(**kw)
+        agent.call("initialize", {"protocolVersion": 1})
+        response, updates, _ = agent.call(method, {"sessionId": session_id,
+                                                   "cwd": self.project, "mcpServers": []})
+        return agent, response, updates
+
+    def test_load_after_restart_shows_what_was_seen_live(self):
+        self.write("a.py", "x = 1\n")
+        self.fake_model(
+            [sse(completion_chunk({"reasoning_content": "Let me look."}))] +
+            scripted_reply("Reading first.", calls=(("ReadFile", {"path": "a.py"}),)),
+            calls(("EditFile", {"path": "a.py", "old_string": "1", "new_string": "2"})),
+            calls(("WriteFile", {"path": "b.py", "content": "nope"})),
+            calls(("TodoWrite", {"todos": [{"content": "Edit a.py", "status": "completed"}]})),
+            scripted_reply("Done: **x is 2**."),
+            scripted_reply("Second answer."))
+        agent = self.start()
+        session_id = self.new_session(agent)
+        answers = [ALLOW, REJECT]
+        _, live1, _ = self.prompt(agent, session_id, "set x to 2",
+                                  answer=lambda frame: answers.pop(0))
+        _, live2, _ = self.prompt(agent, session_id, "and then?")
+        self.assertEqual(agent.close(), 0)
+        live = ([{"sessionUpdate": "user_message_chunk",
+                  "content": {"type": "text", "text": "set x to 2"}}] + live1 +
+                [{"sessionUpdate": "user_message_chunk",
+                  "content": {"type": "text", "text": "and then?"}}] + live2)
+        agent, response, replay = self.reopen("session/load", session_id)
+        self.assertResult(response)
+        self.assertEqual(visible(replay), visible(live))
+        self.assertEqual(replay[-1]["sessionUpdate"], "session_info_update")
+        self.assertEqual(replay[-1]["title"], "set x to 2")
+        statuses = [v["status"] for k, v in visible(replay) if k == "tool"]
+        self.assertEqual(statuses, ["completed", "completed", "failed", "completed"])
+        self.assertClean(agent)
+
+    def test_list_resume_close_and_delete(self):
+        self.fake_model(scripted_reply("one"), scripted_reply("two"), slow_reply(),
+                        scripted_reply("three"))
+        agent = self.start()
+        response, _, _ = agent.call("initialize", {"protocolVersion": 1})
+        self.assertEqual(response["result"]["agentCapabilities"]["sessionCapabilities"],
+                         {"list": {}, "resume": {}, "close": {}, "delete": {}})
+        first = self.new_session(agent)
+        self.prompt(agent, first, "first session")
+        other = os.path.join(self.tmp, "other")
+        os.makedirs(other)
+        second = self.new_session(agent, cwd=other)
+        self.prompt(agent, second, "second session")
+        response, _, _ = agent.call("session/list", {})
+        listed = response["result"]["sessions"]
+        self.assertEqual([s["sessionId"] for s in listed], [second, first])
+        self.assertEqual(listed[1]["title"], "first session")
+        self.assertEqual(listed[1]["cwd"], self.project)
+        self.assertRegex(listed[1]["updatedAt"], r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$")
+        self.assertNotIn("nextCursor", response["result"])
+        response, _, _ = agent.call("session/list", {"cwd": other})
+        self.assertEqual([s["sessionId"] for s in response["result"]["sessions"]], [second])
+        agent.close()
+
+        agent, response, updates = self.reopen("session/resume", first)
+        self.assertEqual(response["result"]["modes"]["currentModeId"], "default")
+        self.assertEqual(updates, [])                       # resume does not replay
+        self.assertEqual(agent.recv()["params"]["update"]["sessionUpdate"],
+                         "available_commands_update")
+        request_id = agent.request("session/prompt", {"sessionId": first, "prompt": [
+            {"type": "text", "text": "slow one"}]})
+        while agent.recv()["params"]["update"]["sessionUpdate"] != "agent_message_chunk":
+            pass
+        self.assertEqual(self.model.requests[-1]["messages"][1]["content"], "first session")
+        close_id = agent.request("session/close", {"sessionId": first})
+        response, _, _ = agent.wait(request_id)
+        self.assertResult(response, {"stopReason": "cancelled"})
+        response, _, _ = agent.wait(close_id)
+        self.assertResult(response, {})
+        response, _, _ = self.prompt(agent, first, "still there?")
+        self.assertRpcError(response, qcr.RESOURCE_NOT_FOUND)
+        response, replay, _ = agent.call("session/load", {"sessionId": first,
+                                                          "cwd": self.project,
+                                                          "mcpServers": []})
+        self.assertIn("slow one", json.dumps(replay))     # closed, not forgotten
+
+        response, _, _ = agent.call("session/delete", {"sessionId": first})
+        self.assertResult(response, {})
+        self.assertFalse(os.path.exists(self.session_file(first)))
+        response, _, _ = agent.call("session/list", {})
+        self.assertEqual([s["sessionId"] for s in response["result"]["sessions"]], [second])
+        for method in ("session/delete", "session/resume"):
+            response, _, _ = agent.call(method, {"sessionId": first, "cwd": self.project})
+            self.assertRpcError(response, qcr.RESOURCE_NOT_FOUND)
+        self.assertClean(agent)
+
+    def test_list_pages_filters_and_refuses_bad_params(self):
+        for i in range(60):
+            session_id = f"acp-{i:016x}-{'a' * 16}"
+            write_session_file(self.session_file(session_id), {
+                "sessionId": session_id, "cwd": self.project if i % 2 else "/elsewhere",
+                "title": f"session {i}", "updated": 1_700_000_000 + i},
+                {"messages": [], "transcript": []})
+        agent = self.start()
+        response, _, _ = agent.call("session/list", {})
+        page = response["result"]
+        self.assertEqual(len(page["sessions"]), 50)
+        self.assertEqual(page["sessions"][0]["title"], "session 59")
+        response, _, _ = agent.call("session/list", {"cursor": page["nextCursor"]})
+        self.assertEqual([s["title"] for s in response["result"]["sessions"]],
+                         [f"session {i}" for i in range(9, -1, -1)])
+        self.assertNotIn("nextCursor", response["result"])
+        response, _, _ = agent.call("session/list", {"cwd": self.project})
+        self.assertEqual(len(response["result"]["sessions"]), 30)
+        for params, field_name in (({"cursor": "x"}, "cursor"), ({"cwd": "rel"}, "cwd")):
+            response, _, _ = agent.call("session/list", params)
+            self.assertRpcError(response, qcr.INVALID_PARAMS, field_name)
+
+    def test_a_damaged_file_is_kept_skipped_by_list_and_told_in_the_thread(self):
+        self.fake_model(scripted_reply("fine"))
+        agent = self.start()
+        session_id = self.new_session(agent)
+        self.prompt(agent, session_id, "hello")
+        agent.close()
+        path = self.session_file(session_id)
+        with open(path, "rb") as f:
+            data = f.read()
+        with open(path, "wb") as f:
+            f.write(data[:-40])                      # truncated
+        agent = self.start()
+        response, _, _ = agent.call("session/list", {})
+        self.assertEqual(response["result"]["sessions"], [])
+        response, _, _ = agent.call("session/load", {"sessionId": session_id,
+                                                     "cwd": self.project, "mcpServers": []})
+        self.assertResult(response)
+        notice = agent.recv()["params"]["update"]
+        self.assertIn("could not be read (the file is truncated)", notice["content"]["text"])
+        kept = [n for n in os.listdir(os.path.dirname(path)) if ".damaged-" in n]
+        self.assertEqual(len(kept), 1)
+        with open(os.path.join(os.path.dirname(path), kept[0]), "rb") as f:
+            self.assertEqual(f.read(), data[:-40])   # nothing lost
+        response, updates, _ = self.prompt(agent, session_id, "start again")
+        self.assertEqual(text_of(updates), "fine")
+        self.assertClean(agent)
+
+    def test_usage_after_each_model_call(self):
+        self.fake_model(calls(("LS", {})), scripted_reply("no usage here", usage=None))
+        agent = self.start(env={"QCR_CONTEXT_WINDOW": "5000"})
+        _, updates, _ = self.prompt(agent, self.new_session(agent), "hi")
+        usage = [u for u in updates if u["sessionUpdate"] == "usage_update"]
+        self.assertEqual(usage[0], {"sessionUpdate": "usage_update", "used": 120, "size": 5000})
+        self.assertEqual(usage[1]["_meta"], {"estimated": True})
+        self.assertGreater(usage[1]["used"], 100)
+        for model, size in (("gpt-4o", 128_000), ("qwen3-coder-plus", 262_144),
+                            ("some-local-thing", qcr.DEFAULT_CONTEXT_WINDOW)):
+            self.assertEqual(qcr.context_window(qcr.Config(), model), size)
+
+    def test_compaction_when_the_window_fills_and_on_demand(self):
+        def model(body):
+            if body["messages"][0]["content"] == qcr.COMPACT_INSTRUCTIONS:
+                return scripted_reply("SUMMARY: the user wants long answers.")
+            said = [m["content"] for m in body["messages"] if m["role"] == "user"]
+            if said[-1] == "first" and body["messages"][-1]["role"] == "user":
+                return calls(("TodoWrite", {"todos": [{"content": "Keep me",
+                                                       "status": "in_progress"}]}))
+            return scripted_reply("word " * 800, usage=None)
+        self.model = qcr.FakeModel(model)
+        agent = self.start(env={"QCR_CONTEXT_WINDOW": "1000"})
+        session_id = self.new_session(agent)
+        self.prompt(agent, session_id, "first")
+        _, updates, _ = self.prompt(agent, session_id, "second")
+        compacted = [v for k, v in visible(updates) if k == "tool"]
+        self.assertEqual(len(compacted), 1)
+        card = compacted[0]
+        self.assertEqual((card["title"], card["status"]), ("Compact the conversation",
+                                                           "completed"))
+        self.assertIn("SUMMARY: the user wants long answers.", card["content"][0]["content"]["text"])
+        self.assertGreater(card["rawOutput"]["tokensBefore"], card["rawOutput"]["tokensAfter"])
+        sent = self.model.requests[-1]["messages"]
+        self.assertEqual([m["role"] for m in sent], ["system", "user"])
+        self.assertTrue(sent[1]["content"].startswith(qcr.SUMMARY_INTRO))
+        self.assertIn("[in_progress] Keep me", sent[1]["content"])     # the plan survives
+        self.assertTrue(sent[1]["content"].endswith("second"))
+
+        _, updates, _ = self.prompt(agent, session_id, "/compact keep the file names")
+        self.assertIn("In the summary, also: keep the file names",
+                      self.model.requests[-1]["messages"][1]["content"])
+        self.assertEqual(kinds(updates)[:1], ["tool_call"])
+        agent.close()
+        agent, _, replay = self.reopen("session/load", session_id)   # the full history
+        self.assertEqual(text_of(replay).count("word"), 1600)
+        self.assertEqual(len([u for u in replay if u["sessionUpdate"] == "tool_call"]), 3)
+
+    def test_sigkill_at_any_moment_leaves_a_loadable_file(self):
+        self.fake_model(calls(("Think", {"thought": "step " * 200})))
+        session_id = None
+        for delay in (0.15, 0.3, 0.45, 0.6, 0.8):
+            agent = self.start()
+            if session_id is None:
+                session_id = self.new_session(agent)
+            else:
+                agent.call("initialize", {"protocolVersion": 1})
+                response, _, _ = agent.call("session/load", {
+                    "sessionId": session_id, "cwd": self.project, "mcpServers": []})
+                self.assertResult(response)
+                after = agent.recv()["params"]["update"]     # a damaged file would be told
+                self.assertEqual(after["sessionUpdate"], "available_commands_update")
+            agent.request("session/prompt", {"sessionId": session_id, "prompt": [
+                {"type": "text", "text": "think a lot"}]})
+            time.sleep(delay)
+            agent.proc.send_signal(signal.SIGKILL)
+            agent.proc.wait()
+            saved = read_session_file(self.session_file(session_id))
+            self.assertGreater(len(saved["messages"]), 0)
+        agent, response, replay = self.reopen("session/load", session_id)
+        self.assertEqual(agent.recv()["params"]["update"]["sessionUpdate"],
+                         "available_commands_update")
+        self.assertEqual(sorted(os.listdir(os.path.dirname(self.session_file(session_id)))),
+                         [session_id + ".json"])
+
+    def test_two_processes_write_their_own_sessions(self):
+        self.fake_model(*[calls(("LS", {}))] * 6 + [scripted_reply("done")])
+        one, two = self.start(), self.start()
+        first, second = self.new_session(one), self.new_session(two)
+        requests = [(one, one.request("session/prompt", {"sessionId": first, "prompt": [
+                        {"type": "text", "text": "one"}]})),
+                    (two, two.request("session/prompt", {"sessionId": second, "prompt": [
+                        {"type": "text", "text": "two"}]}))]
+        for agent, request_id in requests:
+            response, _, _ = agent.wait(request_id)
+            self.assertResult(response)
+        for session_id, text in ((first, "one"), (second, "two")):
+            saved = read_session_file(self.session_file(session_id))
+            self.assertEqual(saved["messages"][0]["content"], text)
+        response, _, _ = one.call("session/list", {})
+        self.assertEqual(len(response["result"]["sessions"]), 2)
+
+
+class TestSlashCommands(AcpTestCase):
+    def test_commands_are_announced_with_user_and_project_ones(self):
+        os.makedirs(os.path.join(self.home, ".qcr", "commands"))
+        with open(os.path.join(self.home, ".qcr", "commands", "explain.md"), "w") as f:
+            f.write("# Explain the code\nExplain $ARGUMENTS simply.\n")
+        self.write(".qcr/commands/review.md",
+                   "---\ndescription: Review a file\nargument-hint: <path>\n---\n"
+                   "Review $ARGUMENTS carefully.\n")
+        self.write(".qcr/commands/mode.md", "A project cannot shadow a built-in.\n")
+        agent = self.start()
+        self.new_session(agent)
+        commands = {c["name"]: c for c in self.commands["availableCommands"]}
+        self.assertEqual(sorted(commands), ["compact", "explain", "init", "mode", "model",
+                                            "permissions", "review"])
+        self.assertEqual(commands["review"], {"name": "review", "description": "Review a file",
+                                              "input": {"hint": "<path>"}})
+        self.assertEqual(commands["explain"]["description"], "Explain the code")
+        self.assertEqual(commands["mode"]["input"], {"hint": "default | plan | auto-edit"})
+
+    def test_template_commands_unknown_words_and_a_changing_set(self):
+        self.write(".qcr/commands/review.md", "Review $ARGUMENTS carefully.\n")
+        self.fake_model(scripted_reply("ok"))
+        agent = self.start()
+        session_id = self.new_session(agent)
+        self.prompt(agent, session_id, "/review src/a.py")
+        self.assertEqual(self.model.requests[-1]["messages"][-1]["content"],
+                         "Review src/a.py carefully.")
+        self.prompt(agent, session_id, "/frobnicate now")
+        self.assertEqual(self.model.requests[-1]["messages"][-1]["content"], "/frobnicate now")
+        self.write(".qcr/commands/ship.md", "Ship it.\n")
+        _, updates, _ = self.prompt(agent, session_id, "/ship")
+        self.assertEqual(updates[0]["sessionUpdate"], "available_commands_update")
+        self.assertIn("ship", [c["name"] for c in updates[0]["availableCommands"]])
+        self.assertEqual(self.model.requests[-1]["messages"][-1]["content"], "Ship it.")
+        agent.close()
+        agent = self.start()
+        agent.call("initialize", {"protocolVersion": 1})
+        _, replay, _ = agent.call("session/load", {"sessionId": session_id,
+                                                   "cwd": self.project, "mcpServers": []})
+        said = [u["content"]["text"] for u in replay if u["sessionUpdate"] == "user_message_chunk"]
+        self.assertEqual(said, ["/review src/a.py", "/frobnicate now", "/ship"])
+
+    def test_mode_model_and_permissions(self):
+        self.fake_model(calls(("WriteFile", {"path": "a.txt", "content": "1"})),
+                        scripted_reply("written"), calls(("WriteFile", {"path": "b.txt",
+                                                                        "content": "2"})),
+                        scripted_reply("written again"))
+        agent = self.start(env={"QCR_MODELS": "other-model"})
+        session_id = self.new_session(agent)
+        _, updates, _ = self.prompt(agent, session_id, "/mode plan")
+        self.assertEqual(kinds(updates), ["current_mode_update", "config_option_update",
+                                          "agent_message_chunk"])
+        self.assertEqual(text_of(updates), "Mode: **plan**.")
+        _, updates, _ = self.prompt(agent, session_id, "/mode sideways")
+        self.assertIn("Choose one of: `default`, `plan`, `auto-edit`", text_of(updates))
+        self.prompt(agent, session_id, "/mode default")
+        _, updates, _ = self.prompt(agent, session_id, "/model other-model")
+        options = {o["id"]: o for o in updates[0]["configOptions"]}
+        self.assertEqual(options["model"]["currentValue"], "other-model")
+        self.assertEqual(self.model.requests, [])          # none of that asked the model
+        self.prompt(agent, session_id, "write a", answer=ALLOW_ALWAYS)
+        self.assertEqual(self.model.requests[-1]["model"], "other-model")
+        _, updates, _ = self.prompt(agent, session_id, "/permissions")
+        self.assertIn("1. always allow file changes", text_of(updates))
+        _, updates, _ = self.prompt(agent, session_id, "/permissions revoke 1")
+        self.assertIn("Revoked: always allow file changes", text_of(updates))
+        _, _, requests = self.prompt(agent, session_id, "write b")
+        self.assertEqual(len(requests), 1)                 # it asks again
+
+    def test_init_asks_the_model_to_write_qcr_md(self):
+        self.fake_model(calls(("WriteFile", {"path": "QCR.md", "content": "# Notes\n"})),
+                        scripted_reply("Wrote QCR.md."))
+        agent = self.start()
+        session_id = self.new_session(agent)
+        self.prompt(agent, session_id, "/init focus on tests")
+        self.assertEqual(self.read("QCR.md"), "# Notes\n")
+        sent = self.model.requests[0]["messages"][-1]["content"]
+        self.assertTrue(sent.startswith(qcr.INIT_PROMPT))
+        self.assertTrue(sent.endswith("focus on tests"))
+        self.prompt(agent, session_id, "/compact")        # two steps: something to summarise
 
 
 # =============================================================================================
