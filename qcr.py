@@ -2299,6 +2299,7 @@ async def run_turn(agent: Agent, session: Session, text: str, shown: str = "") -
     provider = OpenAIProvider(agent.config, session.model)
     reply: Optional[Reply] = None
     try:
+        await learn_context_window(agent.config, session.model)
         for _ in range(agent.config.max_turn_requests):
             if needs_compaction(agent, session):
                 await compact(agent, session, "", automatic=True)
@@ -2420,13 +2421,53 @@ COMPACT_INSTRUCTIONS = (
 
 
 def context_window(config: Config, model: str) -> int:
-    """The model's context window: from the configuration, else the table, else the default."""
+    """The model's context window: from the configuration, else what the server said, else
+    the table, else the default."""
     if config.context_window:
         return config.context_window
+    if config.server_windows.get(model):
+        return config.server_windows[model]
     for pattern, size in CONTEXT_WINDOWS:
         if re.search(pattern, model.lower()):
             return size
     return DEFAULT_CONTEXT_WINDOW
+
+
+async def learn_context_window(config: Config, model: str) -> None:
+    """Ask the server once per model how large its context is, when the user has not said.
+
+    vLLM lists `max_model_len` and OpenRouter-style servers `context_length` in /models;
+    llama.cpp's server reports the `n_ctx` it really runs with at /props.
+    """
+    if config.context_window or not config.base_url or not model or \
+            model in config.server_windows:
+        return
+    config.server_windows[model] = 0          # asked (once), whatever the answer
+
+    def ask() -> int:
+        import urllib.request
+        base = config.base_url.rstrip("/")
+        headers = {"Authorization": "Bearer " + config.api_key} if config.api_key else {}
+        for url in (base + "/models", re.sub(r"/v1$", "", base) + "/props"):
+            try:
+                request = urllib.request.Request(url, headers=headers)
+                with urllib.request.urlopen(request, timeout=2) as response:
+                    data = loads(response.read(1 << 20))
+            except Exception:
+                continue
+            if isinstance(data, dict) and isinstance(data.get("data"), list):
+                for entry in data["data"]:
+                    if isinstance(entry, dict) and entry.get("id") == model:
+                        size = entry.get("max_model_len") or entry.get("context_length")
+                        if isinstance(size, int) and size > 0:
+                            return size
+            if isinstance(data, dict):
+                settings = data.get("default_generation_settings")
+                size = (settings if isinstance(settings, dict) else data).get("n_ctx")
+                if isinstance(size, int) and size > 0:
+                    return size
+        return 0
+    config.server_windows[model] = await asyncio.to_thread(ask)
 
 
 def estimate_tokens(messages: list) -> int:
@@ -2723,6 +2764,7 @@ class Config:
     request_timeout: float = 300.0               # seconds without a byte from the server
     context_window: int = 0                      # tokens; 0 = by model name (see CONTEXT_WINDOWS)
     compact_at: float = 0.8                      # share of the window that triggers compaction
+    server_windows: dict = field(default_factory=dict)   # model -> window the server reported
     home: str = ""                               # ~/.qcr
     problems: list = field(default_factory=list) # mistakes in the configuration, for the user
 
@@ -2861,12 +2903,22 @@ class FakeModel:
         fake = self
         self.respond, self.requests = respond, []
         self.disconnects = 0     # replies the client hung up on (a cancelled turn)
+        self.routes: dict = {}   # GET path -> JSON answer; anything else is a 404
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
                 fake.requests.append(body)
                 fake.serve(self, body)
+
+            def do_GET(self) -> None:
+                found = self.path in fake.routes
+                data = json.dumps(fake.routes.get(self.path, {"error": "not found"})).encode()
+                self.send_response(200 if found else 404)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
 
             def log_message(self, *args) -> None:
                 pass

@@ -911,6 +911,18 @@ class TestSessionsThatLast(AcpTestCase):
         self.assertEqual(usage[0], {"sessionUpdate": "usage_update", "used": 120, "size": 5000})
         self.assertEqual(usage[1]["_meta"], {"estimated": True})
         self.assertGreater(usage[1]["used"], 100)
+        self.model.close()
+        for route, answer in (("/v1/models", {"data": [{"id": "test-model",
+                                                         "max_model_len": 4096}]}),
+                              ("/props", {"default_generation_settings": {"n_ctx": 8192}})):
+            with self.subTest(route=route):
+                self.fake_model(scripted_reply("ok"))
+                self.model.routes[route] = answer
+                agent = self.start()
+                _, updates, _ = self.prompt(agent, self.new_session(agent), "hi")
+                usage = [u for u in updates if u["sessionUpdate"] == "usage_update"]
+                self.assertEqual(usage[0]["size"], 4096 if route == "/v1/models" else 8192)
+                self.model.close()
         for model, size in (("gpt-4o", 128_000), ("qwen3-coder-plus", 262_144),
                             ("some-local-thing", qcr.DEFAULT_CONTEXT_WINDOW)):
             self.assertEqual(qcr.context_window(qcr.Config(), model), size)
