@@ -70,6 +70,8 @@ MODES = [   # the session modes, in the order the editor lists them
      "description": "Read-only: explore and plan; files and commands are off limits"},
     {"id": "auto-edit", "name": "Auto-edit",
      "description": "Change files without asking; still ask before running commands"},
+    {"id": "yolo", "name": "YOLO",
+     "description": "Run everything without asking: changes, commands, other folders"},
 ]
 MODE_IDS = [m["id"] for m in MODES]
 NO_MODEL = "(none)"        # the model selector's only choice when no model is configured
@@ -434,6 +436,19 @@ def need_cwd(params: dict) -> str:
     return os.path.normpath(cwd)
 
 
+def need_dirs(params: dict) -> list:
+    """additionalDirectories: more absolute, existing folders the session may use."""
+    dirs = params.get("additionalDirectories", [])
+    if not isinstance(dirs, list):
+        raise RpcError.invalid_params("additionalDirectories", "must be an array")
+    for i, folder in enumerate(dirs):
+        if not isinstance(folder, str) or not os.path.isabs(folder) or \
+                not os.path.isdir(folder):
+            raise RpcError.invalid_params(f"additionalDirectories[{i}]",
+                                          "must be an absolute path to a folder")
+    return [os.path.normpath(d) for d in dirs]
+
+
 def need_session_id(params: dict) -> str:
     """A session id of qcr's own form: never a path, whatever the client sends."""
     session_id = need(params, "sessionId")
@@ -450,15 +465,16 @@ def need_mcp_servers(params: dict) -> list:
     return servers
 
 
-def prompt_text(blocks: Any) -> str:
-    """Turn a prompt's content blocks into the text of one user message.
+async def prompt_content(blocks: Any, read_link: Callable) -> tuple:
+    """Turn a prompt's content blocks into (text, images) for one user message.
 
     Text is kept as is; an embedded resource (an @-mention in Zed) is included with its URI;
-    a resource_link to a local file is read; other links are mentioned by URI.
+    a resource_link to a local file is read (`read_link`); other links are mentioned by URI;
+    images are kept as image content blocks.
     """
     if not isinstance(blocks, list):
         raise RpcError.invalid_params("prompt", "must be an array of content blocks")
-    parts = []
+    parts, images = [], []
     for i, block in enumerate(blocks):
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
@@ -479,15 +495,22 @@ def prompt_text(blocks: Any) -> str:
             uri = block.get("uri")
             if not isinstance(uri, str):
                 raise RpcError.invalid_params(f"prompt[{i}].uri", "must be a string")
-            parts.append(read_linked_file(uri))
-        elif kind in ("image", "audio"):
-            parts.append(f"\n[an {kind} was attached, but qcr sends text only to the model]")
+            parts.append(await read_link(uri))
+        elif kind == "image":
+            data, mime = block.get("data"), block.get("mimeType")
+            if not isinstance(data, str) or not isinstance(mime, str) or \
+                    not mime.startswith("image/"):
+                raise RpcError.invalid_params(f"prompt[{i}]", "must be an image with base64 "
+                                              "data and an image/* mimeType")
+            images.append({"type": "image", "data": data, "mimeType": mime})
+        elif kind == "audio":
+            parts.append("\n[audio was attached, but qcr does not send audio to the model]")
         else:
             raise RpcError.invalid_params(f"prompt[{i}].type", f"is not a content type: {kind!r}")
     text = "".join(parts)
-    if not text.strip():
+    if not text.strip() and not images:
         raise RpcError.invalid_params("prompt", "is empty")
-    return text
+    return text, images
 
 
 def quote_uri(uri: str) -> str:
@@ -500,13 +523,20 @@ def context_block(uri: str, text: str) -> str:
 
 
 
-def read_linked_file(uri: str) -> str:
-    """The text of a local file:// link for the model, or a mention of any other link."""
+def local_path(uri: str) -> Optional[str]:
+    """The path of a file:// URI on this machine, else None."""
     from urllib.parse import unquote, urlparse
     parsed = urlparse(uri)
     if parsed.scheme != "file" or parsed.netloc not in ("", "localhost"):
+        return None
+    return unquote(parsed.path)
+
+
+def read_linked_file(uri: str) -> str:
+    """The text of a local file:// link for the model, or a mention of any other link."""
+    path = local_path(uri)
+    if path is None:
         return f"\n[link: {quote_uri(uri)}]"
-    path = unquote(parsed.path)
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):   # a FIFO or device would block
             return f"\n[link to {quote_uri(path)}: not a regular file; not read]"
@@ -537,6 +567,14 @@ class Agent:
         self.conn: Optional[Connection] = None
         self.client_capabilities: dict = {}
         self.sessions: dict = {}
+        self.ledger = Ledger(os.path.join(config.home, "permissions.json"))
+
+    def client_can(self, *keys: str) -> bool:
+        """Did the client advertise this capability? (`true`, or `{}` for object flags)"""
+        value: Any = self.client_capabilities
+        for key in keys:
+            value = value.get(key) if isinstance(value, dict) else None
+        return value is True or isinstance(value, dict)
 
     # -- routing ------------------------------------------------------------------------------
     async def on_request(self, method: str, params: dict) -> Any:
@@ -595,9 +633,10 @@ class Agent:
             "protocolVersion": PROTOCOL_VERSION,
             "agentCapabilities": {
                 "loadSession": True,
-                "promptCapabilities": {"image": False, "audio": False, "embeddedContext": True},
+                "promptCapabilities": {"image": True, "audio": False, "embeddedContext": True},
                 "mcpCapabilities": {"http": False, "sse": False},
-                "sessionCapabilities": {"list": {}, "resume": {}, "close": {}, "delete": {}},
+                "sessionCapabilities": {"list": {}, "resume": {}, "close": {}, "delete": {},
+                                        "additionalDirectories": {}},
             },
             "authMethods": [],
             "agentInfo": {"name": "qcr", "title": "qcr", "version": __version__},
@@ -611,9 +650,10 @@ class Agent:
     # -- sessions -----------------------------------------------------------------------------
     @rpc("session/new")
     async def session_new(self, params: dict) -> dict:
-        cwd, servers = need_cwd(params), need_mcp_servers(params)
+        cwd, servers, dirs = need_cwd(params), need_mcp_servers(params), need_dirs(params)
         session_id = f"acp-{os.urandom(8).hex()}-{os.urandom(8).hex()}"   # CSPRNG
-        session = Session(id=session_id, cwd=cwd, model=self.config.model, mcp_servers=servers)
+        session = Session(id=session_id, cwd=cwd, model=self.config.model, mcp_servers=servers,
+                          additional_dirs=dirs)
         self.sessions[session_id] = session
         self.after_answer(session)
         return {"sessionId": session_id, "modes": self.modes(session),
@@ -642,7 +682,7 @@ class Agent:
         the thread starts empty with a message saying so.
         """
         session_id = need_session_id(params)
-        cwd, servers = need_cwd(params), need_mcp_servers(params)
+        cwd, servers, dirs = need_cwd(params), need_mcp_servers(params), need_dirs(params)
         session = self.sessions.get(session_id)
         if session is None:
             try:
@@ -654,7 +694,7 @@ class Agent:
                     f"[error] The saved session could not be read ({e}). The file was kept "
                     f"as {aside}; this thread starts empty."))
             self.sessions[session_id] = session
-        session.cwd, session.mcp_servers = cwd, servers
+        session.cwd, session.mcp_servers, session.additional_dirs = cwd, servers, dirs
         session.model = session.model or self.config.model
         return session
 
@@ -695,6 +735,8 @@ class Agent:
         page = found[start:start + LIST_PAGE]
         result: dict = {"sessions": [
             {"sessionId": m["sessionId"], "cwd": m["cwd"], "updatedAt": iso_time(m["updated"]),
+             **({"additionalDirectories": m["additionalDirectories"]}
+                if m.get("additionalDirectories") else {}),
              **({"title": m["title"]} if isinstance(m.get("title"), str) and m["title"]
                 else {})} for m in page]}
         if start + LIST_PAGE < len(found):
@@ -795,10 +837,18 @@ class Agent:
         if session.turn is not None and not session.turn.done():
             raise RpcError.invalid_request(
                 f"session {session.id} is already running a turn; send session/cancel first")
-        text = prompt_text(params.get("prompt"))
+        session.turn = pending = asyncio.get_running_loop().create_future()   # busy now
         session.cancelling = False
+        try:
+            text, images = await prompt_content(
+                params.get("prompt"), lambda uri: self.read_link(session, uri))
+        except BaseException:
+            session.turn = None
+            raise
+        if pending.cancelled():      # cancelled while its links were being read
+            return {"stopReason": "cancelled"}
         self.announce_commands(session)     # the command files may have changed
-        session.turn = asyncio.ensure_future(run_prompt(self, session, text))
+        session.turn = asyncio.ensure_future(run_prompt(self, session, text, images))
         try:
             stop_reason = await session.turn
         except asyncio.CancelledError:
@@ -806,6 +856,20 @@ class Agent:
                 raise
             stop_reason = "cancelled"    # cancelled before the turn even started
         return {"stopReason": stop_reason}
+
+    async def read_link(self, session: Session, uri: str) -> str:
+        """A resource_link's text: through the editor when it can (unsaved changes), else
+        from disk."""
+        path = local_path(uri)
+        if path and self.client_can("fs", "readTextFile") and within(path, session.roots()):
+            try:
+                result = await self.conn.request("fs/read_text_file",
+                                                 {"sessionId": session.id, "path": path})
+                if isinstance(result, dict) and isinstance(result.get("content"), str):
+                    return context_block(uri, result["content"][:LINKED_FILE_BYTES])
+            except RpcError:
+                pass
+        return read_linked_file(uri)
 
     # -- shutdown -----------------------------------------------------------------------------
     async def shutdown(self) -> None:
@@ -852,6 +916,7 @@ class Session:
     updated: float = field(default_factory=time.time)
     messages: list = field(default_factory=list)       # the model's context
     transcript: list = field(default_factory=list)     # the user's view, for replay
+    additional_dirs: list = field(default_factory=list)   # more project folders (roots)
     mcp_servers: list = field(default_factory=list)    # kept; connecting is not built yet
     allowed: dict = field(default_factory=dict)        # "always" answers: key -> decision
     plan: list = field(default_factory=list)           # the latest plan entries
@@ -863,6 +928,11 @@ class Session:
     deleted: bool = False                              # session/delete: never save again
     notice: str = ""                                   # said in the thread when reopened
     commands: Optional[list] = None                    # the slash commands last announced
+    seen: dict = field(default_factory=dict)           # path -> digest of what qcr last read
+
+    def roots(self) -> list:
+        """The folders the session may use freely: its cwd and any additional ones."""
+        return [self.cwd] + self.additional_dirs
     _run: Optional[list] = None       # [kind, [texts]] of the chunk run being streamed
     _tool_at: dict = field(default_factory=dict)       # tool call id -> transcript index
 
@@ -875,6 +945,10 @@ class Session:
         """Keep one update for replay: chunks are joined, tool updates merged into the call."""
         kind = update["sessionUpdate"]
         if kind.endswith("_message_chunk") or kind == "agent_thought_chunk":
+            if update["content"].get("type") != "text":     # an image: kept as it came
+                self._close_run()
+                self.transcript.append(update)
+                return
             if self._run is not None and self._run[0] == kind:
                 self._run[1].append(update["content"]["text"])
                 return
@@ -911,7 +985,8 @@ class Session:
     def to_json(self) -> dict:
         """The file's content: metadata (META_KEYS) and body, as one dict of shallow copies."""
         self._close_run()
-        return {"version": 2, "sessionId": self.id, "cwd": self.cwd, "mode": self.mode,
+        return {"version": 2, "sessionId": self.id, "cwd": self.cwd,
+                "additionalDirectories": list(self.additional_dirs), "mode": self.mode,
                 "model": self.model, "title": self.title, "createdAt": iso_time(self.created),
                 "updatedAt": iso_time(self.updated), "created": self.created,
                 "updated": self.updated, "contextUsed": self.context_used,
@@ -939,6 +1014,9 @@ class Session:
                       allowed={k: v for k, v in allowed.items() if isinstance(v, dict)
                                and isinstance(v.get("allow"), bool)
                                and isinstance(v.get("label"), str)})
+        dirs = data.get("additionalDirectories")
+        session.additional_dirs = [d for d in dirs if isinstance(d, str)] \
+            if isinstance(dirs, list) else []
         latest_plan = [u for u in session.transcript if u["sessionUpdate"] == "plan"]
         session.plan = latest_plan[-1]["entries"] if latest_plan else []
         used = data.get("contextUsed")
@@ -959,7 +1037,10 @@ def replayable(update: Any) -> bool:
     kind = update.get("sessionUpdate")
     if kind in ("user_message_chunk", "agent_message_chunk", "agent_thought_chunk"):
         content = update.get("content")
-        return isinstance(content, dict) and isinstance(content.get("text"), str)
+        return isinstance(content, dict) and (
+            content.get("type") == "text" and isinstance(content.get("text"), str) or
+            content.get("type") == "image" and isinstance(content.get("data"), str) and
+            isinstance(content.get("mimeType"), str))
     if kind == "tool_call":
         return isinstance(update.get("toolCallId"), str) and isinstance(update.get("title"), str)
     if kind == "plan":
@@ -969,8 +1050,8 @@ def replayable(update: Any) -> bool:
     return False
 
 
-META_KEYS = ("version", "sessionId", "cwd", "title", "mode", "model", "createdAt", "updatedAt",
-             "created", "updated", "contextUsed")
+META_KEYS = ("version", "sessionId", "cwd", "additionalDirectories", "title", "mode", "model",
+             "createdAt", "updatedAt", "created", "updated", "contextUsed")
 LIST_PAGE = 50      # sessions per session/list page
 
 
@@ -1438,20 +1519,21 @@ class Tool:
     parameters: dict
     changes: bool               # changes files or runs commands: needs permission
     title: Callable             # (args, ctx) -> the card's title
+    modes: tuple = ()           # the modes that offer it to the model; () = all
 
 
 TOOLS: dict = {}      # tool name as the model sees it -> Tool, filled by @tool
 
 
 def tool(name: str, kind: str, params: dict, *, required: tuple = (), changes: bool = False,
-         title: Optional[Callable] = None):
+         title: Optional[Callable] = None, modes: tuple = ()):
     """Register an async function as a tool the model can call."""
     import inspect
 
     def register(run):
         TOOLS[name] = Tool(name, kind, run, inspect.cleandoc(run.__doc__ or name),
                            {"type": "object", "properties": params, "required": list(required)},
-                           changes, title or (lambda args, ctx: name))
+                           changes, title or (lambda args, ctx: name), modes)
         return run
     return register
 
@@ -1465,7 +1547,8 @@ def tool_specs(mode: str) -> list:
     """The tools as the model is offered them; plan mode offers only read-only ones."""
     return [{"type": "function", "function": {"name": t.name, "description": t.description,
                                               "parameters": t.parameters}}
-            for t in TOOLS.values() if mode != "plan" or not t.changes]
+            for t in TOOLS.values()
+            if (not t.modes or mode in t.modes) and (mode != "plan" or not t.changes)]
 
 
 def check_args(tool_: Tool, args: Any) -> dict:
@@ -1515,7 +1598,8 @@ def coerce(name: str, value: Any, spec: dict) -> Any:
 
 
 class ToolContext:
-    """What a running tool may use: the session, its cwd, the user's permission."""
+    """What a running tool may use: the session and its folders, the editor's buffers and
+    terminals, and the user's permission."""
 
     def __init__(self, agent: Agent, session: Session, call_id: str, tool_: Tool, title: str):
         self.agent, self.session, self.call_id = agent, session, call_id
@@ -1526,75 +1610,237 @@ class ToolContext:
     def cwd(self) -> str:
         return self.session.cwd
 
-    def resolve(self, path: Any) -> str:
-        """An absolute path: relative paths are taken from the session's cwd."""
-        if not isinstance(path, str) or not path.strip():
-            raise ToolError("a path must be a non-empty string")
-        return os.path.normpath(os.path.join(self.cwd, os.path.expanduser(path.strip())))
-
     def display(self, path: str) -> str:
         """A path as the user would write it: relative inside the project."""
         relative = os.path.relpath(path, self.cwd)
         return path if relative.startswith("..") else relative
 
+    def update(self, **fields) -> None:
+        self.agent.update(self.session, tool_call_update(self.call_id, **fields))
+
     def start(self) -> None:
         if not self.started:
             self.started = True
-            self.agent.update(self.session, tool_call_update(self.call_id, status="in_progress"))
+            self.update(status="in_progress")
 
     def plan(self, entries: list) -> None:
         self.session.plan = entries
         self.agent.update(self.session, plan(entries))
 
-    async def confirm(self, content: list, key: str, label: str) -> None:
+    # -- paths --------------------------------------------------------------------------------
+    def inside(self, path: str) -> bool:
+        return within(path, self.session.roots())
+
+    async def resolve(self, path: Any) -> str:
+        """An absolute path (a relative one is taken from the session's cwd), cleared for use:
+        a path outside every folder of the session needs the user's permission first, and is
+        refused in plan mode."""
+        if not isinstance(path, str) or not path.strip():
+            raise ToolError("a path must be a non-empty string")
+        full = os.path.normpath(os.path.join(self.cwd, os.path.expanduser(path.strip())))
+        if not self.inside(full):
+            if self.session.mode == "plan":
+                raise ToolError(f"{full} is outside the project's folders, and plan mode "
+                                "stays inside them.")
+            folder = full if os.path.isdir(full) else os.path.dirname(full)
+            await self.confirm([text_content(f"{self.tool.name} wants to use {full}, which "
+                                             "is outside the project's folders.")],
+                               "Outside:" + folder, f"access to {folder}", outside=True)
+        return full
+
+    # -- files, through the editor when it offers them ----------------------------------------
+    async def read(self, path: str, remember: bool = True) -> Optional[str]:
+        """A file's text as the user sees it, None if there is no such file.
+
+        Inside the project, and when the editor offers fs/read_text_file, the editor answers
+        (unsaved changes included); otherwise the disk does. qcr remembers a digest of what
+        it read, for the stale-write guard in read_for_change().
+        """
+        on_disk = check_regular(path)      # a folder or a FIFO is refused before any open
+        text = None
+        if self.agent.client_can("fs", "readTextFile") and self.inside(path):
+            try:
+                result = await self.agent.conn.request(
+                    "fs/read_text_file", {"sessionId": self.session.id, "path": path})
+                if isinstance(result, dict) and isinstance(result.get("content"), str):
+                    text = result["content"]
+            except RpcError:
+                pass       # no such buffer or file, or a refusal: the disk decides
+        if text is None and on_disk:
+            text = read_text(path)
+        if remember and text is not None:
+            self.session.seen[path] = digest(text)
+        return text
+
+    async def read_for_change(self, path: str) -> Optional[str]:
+        """The text of a file about to change -- refused if it changed since qcr read it."""
+        seen = self.session.seen.get(path)
+        text = await self.read(path, remember=False)
+        if seen is not None and (text is None or digest(text) != seen):
+            raise ToolError(f"{path} has changed since you last read it (in the editor, or by "
+                            "a command). Read it again, then make the change.")
+        return text
+
+    async def write(self, path: str, text: str) -> None:
+        """Write a file through the editor when it can (its buffers, its review of changes),
+        else to disk."""
+        if self.agent.client_can("fs", "writeTextFile") and self.inside(path):
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                await self.agent.conn.request("fs/write_text_file", {
+                    "sessionId": self.session.id, "path": path, "content": text})
+                await self.read(path)      # format-on-save may have changed what landed
+                return
+            except (RpcError, OSError) as e:
+                log(f"fs/write_text_file failed for {path}; writing to disk: {e}")
+        write_text(path, text)
+        self.session.seen[path] = digest(text)
+
+    # -- permission ---------------------------------------------------------------------------
+    async def confirm(self, content: list, key: str, label: str, outside: bool = False) -> None:
         """Ask the user before a change; raises ToolError if it may not happen.
 
-        Plan mode refuses; auto-edit approves file changes; a remembered "always" answer
-        (for `key`) decides; otherwise the client shows a permission card with `content`
-        (the diff or the command) and four buttons.
+        Plan mode refuses; yolo allows everything; auto-edit allows file changes inside the
+        project; a remembered answer for `key` (this session's, this project's, or
+        everywhere's) decides; otherwise the editor shows a permission card with `content`
+        (the diff, the command, the path).
         """
         session = self.session
         if session.mode == "plan":
             raise ToolError(PLAN_REFUSAL)
-        remembered = session.allowed.get(key)
-        if session.mode == "auto-edit" and self.tool.kind != "execute":
+        if session.mode == "yolo" or (session.mode == "auto-edit" and not outside and
+                                      self.tool.kind not in ("execute",)):
             allowed: Optional[bool] = True
         else:
-            allowed = remembered["allow"] if remembered else None
+            allowed = self.agent.ledger.lookup(session, key)
         if allowed is None:
             allowed = await self.ask(content, key, label)
         if not allowed:
             raise ToolError("The user declined this. Do not try it again; ask the user what "
                             "to do instead, or take another approach.")
-        self.start()
+        if not outside:
+            self.start()
 
     async def ask(self, content: list, key: str, label: str) -> bool:
-        session = self.session
-        options = [
-            {"optionId": "allow_once", "name": "Allow", "kind": "allow_once"},
-            {"optionId": "allow_always", "name": f"Always allow {label} in this session",
-             "kind": "allow_always"},
-            {"optionId": "reject_once", "name": "Reject", "kind": "reject_once"},
-            {"optionId": "reject_always", "name": f"Always reject {label} in this session",
-             "kind": "reject_always"},
-        ]
+        """The permission card: once, or remembered for the session, project or everywhere."""
+        choice = await self.choose(content, [
+            ("allow_once", "Allow", "allow_once"),
+            ("allow_session", f"Allow {label} for this session", "allow_always"),
+            ("allow_project", f"Always allow {label} in this project", "allow_always"),
+            ("allow_global", f"Always allow {label} everywhere", "allow_always"),
+            ("reject_once", "Reject", "reject_once"),
+            ("reject_session", f"Reject {label} for this session", "reject_always"),
+            ("reject_project", f"Always reject {label} in this project", "reject_always")])
+        if choice is None:
+            raise ToolError("The permission request was cancelled or failed; not done.")
+        allowed, _, scope = choice.partition("_")
+        if scope in SCOPES:
+            self.agent.ledger.remember(self.session, scope, key, allowed == "allow", label)
+        return allowed == "allow"
+
+    async def choose(self, content: list, options: list) -> Optional[str]:
+        """Show a card with buttons (session/request_permission); the chosen optionId, or None
+        if the request was cancelled or failed."""
         card = tool_call_update(self.call_id, title=self.title, content=content)
-        session.record(card)    # the request itself carries it to the client
-        request = {"sessionId": session.id, "options": options,
-                   "toolCall": {k: v for k, v in card.items() if k != "sessionUpdate"}}
+        self.session.record(card)    # the request itself carries it to the client
+        request = {"sessionId": self.session.id,
+                   "toolCall": {k: v for k, v in card.items() if k != "sessionUpdate"},
+                   "options": [{"optionId": o, "name": n, "kind": k} for o, n, k in options]}
         try:
             result = await self.agent.conn.request("session/request_permission", request)
         except RpcError as e:
-            raise ToolError(f"could not ask the user for permission ({e.message}); not done")
+            log(f"session/request_permission failed: {e.message}")
+            return None
         outcome = result.get("outcome") if isinstance(result, dict) else None
         outcome = outcome if isinstance(outcome, dict) else {}
-        if outcome.get("outcome") != "selected":
-            raise ToolError("The permission request was cancelled; not done.")
-        option = outcome.get("optionId")
-        allowed = option in ("allow_once", "allow_always")
-        if option in ("allow_always", "reject_always"):
-            session.allowed[key] = {"allow": allowed, "label": label}
-        return allowed
+        valid = {o for o, _, _ in options}
+        if outcome.get("outcome") != "selected" or outcome.get("optionId") not in valid:
+            return None
+        return outcome["optionId"]
+
+
+SCOPES = ("session", "project", "global")
+
+
+def within(path: str, roots: list) -> bool:
+    """Is the path in one of the folders, once symlinks are resolved?"""
+    real = os.path.realpath(path)
+    for root in roots:
+        root = os.path.realpath(root)
+        if real == root or real.startswith(root.rstrip(os.sep) + os.sep):
+            return True
+    return False
+
+
+def digest(text: str) -> str:
+    import hashlib
+    return hashlib.sha1(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+class Ledger:
+    """Remembered permission answers: a session's live in the session (and its file); a
+    project's and everywhere's in ~/.qcr/permissions.json, shared by every qcr."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def read(self) -> dict:
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                data = loads(f.read())
+        except (OSError, ValueError):
+            data = {}
+        data = data if isinstance(data, dict) else {}
+        valid = lambda entries: {k: v for k, v in entries.items() if isinstance(v, dict) and
+                                 isinstance(v.get("allow"), bool) and
+                                 isinstance(v.get("label"), str)} \
+            if isinstance(entries, dict) else {}
+        projects = data.get("projects") if isinstance(data.get("projects"), dict) else {}
+        return {"version": 1, "global": valid(data.get("global")),
+                "projects": {p: valid(e) for p, e in projects.items()}}
+
+    def write(self, data: dict) -> None:
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        temporary = f"{self.path}.{os.getpid()}.tmp"
+        with open(temporary, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1)
+        os.replace(temporary, self.path)
+
+    def scoped(self, session: Session) -> list:
+        """(scope, key, entry) for every answer that applies to the session, nearest first."""
+        data = self.read()
+        return ([("session", k, v) for k, v in session.allowed.items()] +
+                [("project", k, v) for k, v in data["projects"].get(session.cwd, {}).items()] +
+                [("global", k, v) for k, v in data["global"].items()])
+
+    def lookup(self, session: Session, key: str) -> Optional[bool]:
+        for _, found, entry in self.scoped(session):
+            if found == key:
+                return entry["allow"]
+        return None
+
+    def remember(self, session: Session, scope: str, key: str, allow: bool, label: str) -> None:
+        entry = {"allow": allow, "label": label}
+        if scope == "session":
+            session.allowed[key] = entry
+            return
+        data = self.read()
+        (data["global"] if scope == "global" else
+         data["projects"].setdefault(session.cwd, {}))[key] = entry
+        try:
+            self.write(data)
+        except OSError as e:
+            log(f"could not save {self.path}: {e}")
+            session.allowed[key] = entry
+
+    def revoke(self, session: Session, scope: str, key: str) -> None:
+        if scope == "session":
+            session.allowed.pop(key, None)
+            return
+        data = self.read()
+        (data["global"] if scope == "global" else
+         data["projects"].get(session.cwd, {})).pop(key, None)
+        self.write(data)
 
 
 PLAN_REFUSAL = ("Refused: the session is in plan mode, which is read-only. Explore and write "
@@ -1608,6 +1854,7 @@ SEARCH_TIMEOUT = 60            # seconds before a Grep is stopped
 SHELL_OUTPUT_CHARS = 30_000    # Shell keeps this much output: head and tail
 SHELL_TIMEOUT = 120            # seconds, default for Shell; at most SHELL_TIMEOUT_MAX
 SHELL_TIMEOUT_MAX = 600
+SHOW_EVERY = 0.25              # seconds between updates of a running command's output
 
 
 def check_regular(path: str) -> bool:
@@ -1665,6 +1912,9 @@ def path_title(verb: str, key: str = "path") -> Callable:
 
 # -- Files -------------------------------------------------------------------------------------
 
+READ_WHOLE_BYTES = 16 << 20    # larger files are paged straight from disk
+
+
 @tool("ReadFile", "read", {
     "path": arg("string", "The file, absolute or relative to the project root"),
     "offset": arg("integer", "First line to read, 1-based (default 1)"),
@@ -1673,26 +1923,27 @@ def path_title(verb: str, key: str = "path") -> Callable:
 async def read_file(ctx: ToolContext, path: str, offset: int = 1, limit: int = READ_LINES):
     """Read a text file. Each line comes as: line number, a tab, the text. Long files are
     read a page at a time: pass offset and limit to read further."""
-    full = ctx.resolve(path)
+    full = await ctx.resolve(path)
     offset, limit = max(1, offset), max(1, limit)
-    if not check_regular(full):
-        raise ToolError(f"no such file: {full}. Use LS or Glob to find the right path.")
+    on_disk = check_regular(full)
     try:
-        with open(full, "rb") as f:
-            if b"\0" in f.read(8192):
-                size = os.fstat(f.fileno()).st_size
-                return ToolResult(f"{full} is a binary file ({size} bytes); not shown.",
-                                  raw={"path": full, "binary": True, "bytes": size})
-            f.seek(0)
-            shown, chars, total = [], 0, 0
-            for total, raw in enumerate(f, 1):
-                if total < offset or len(shown) >= limit or chars > READ_CHARS:
-                    continue
-                line = raw.decode("utf-8", "replace").rstrip("\r\n")
-                if len(line) > LINE_CHARS:
-                    line = line[:LINE_CHARS] + " [line cut]"
-                shown.append(f"{total:6}\t{line}")
-                chars += len(line)
+        if on_disk:
+            with open(full, "rb") as f:
+                if b"\0" in f.read(8192):
+                    size = os.fstat(f.fileno()).st_size
+                    return ToolResult(f"{full} is a binary file ({size} bytes); not shown.",
+                                      raw={"path": full, "binary": True, "bytes": size})
+        if on_disk and os.path.getsize(full) > READ_WHOLE_BYTES:
+            with open(full, "rb") as f:
+                shown, total = page_lines((raw.decode("utf-8", "replace") for raw in f),
+                                          offset, limit)
+        else:
+            text = await ctx.read(full)
+            if text is None:
+                raise ToolError(f"no such file: {full}. Use LS or Glob to find the right path.")
+            lines = text.split("\n")
+            shown, total = page_lines(lines[:-1] if text.endswith("\n") else lines,
+                                      offset, limit)
     except OSError as e:
         raise ToolError(f"cannot read {full}: {e.strerror}") from None
     if total == 0:
@@ -1708,6 +1959,20 @@ async def read_file(ctx: ToolContext, path: str, offset: int = 1, limit: int = R
                       locations=[{"path": full, "line": offset}])
 
 
+def page_lines(lines: Any, offset: int, limit: int) -> tuple:
+    """Numbered lines offset..offset+limit-1 (long ones cut), and the total line count."""
+    shown, chars, total = [], 0, 0
+    for total, line in enumerate(lines, 1):
+        if total < offset or len(shown) >= limit or chars > READ_CHARS:
+            continue
+        line = line.rstrip("\r\n")
+        if len(line) > LINE_CHARS:
+            line = line[:LINE_CHARS] + " [line cut]"
+        shown.append(f"{total:6}\t{line}")
+        chars += len(line)
+    return shown, total
+
+
 @tool("WriteFile", "edit", {
     "path": arg("string", "The file to create or replace"),
     "content": arg("string", "The whole new content of the file"),
@@ -1715,11 +1980,11 @@ async def read_file(ctx: ToolContext, path: str, offset: int = 1, limit: int = R
 async def write_file(ctx: ToolContext, path: str, content: str):
     """Create a file, or replace a file's whole content. Parent folders are created. To change
     part of an existing file, use EditFile."""
-    full = ctx.resolve(path)
-    old = read_text(full)
+    full = await ctx.resolve(path)
+    old = await ctx.read_for_change(full)
     diff = diff_content(full, old, content)
     await ctx.confirm([diff], "edit", "file changes")
-    write_text(full, content)
+    await ctx.write(full, content)
     verb = "Created" if old is None else "Replaced"
     return ToolResult(f"{verb} {full} ({count_lines(content)} lines).", [diff],
                       {"path": full, "created": old is None, "bytes": len(content.encode())},
@@ -1737,8 +2002,9 @@ async def edit_file(ctx: ToolContext, path: str, old_string: str, new_string: st
                     replace_all: bool = False):
     """Replace exact text in a file. Read the file first and copy old_string exactly,
     with its indentation. An empty old_string creates a new file with new_string."""
-    full = ctx.resolve(path)
-    text = read_text(full)
+    full = await ctx.resolve(path)
+    text = await ctx.read_for_change(full)
+    existed = text is not None
     if text is None:
         if old_string:
             raise ToolError(f"no such file: {full}. Create it with WriteFile.")
@@ -1760,13 +2026,14 @@ async def edit_file(ctx: ToolContext, path: str, old_string: str, new_string: st
     if count > 1 and not replace_all:
         raise ToolError(f"old_string occurs {count} times in {full}. Include more of the "
                         "surrounding lines to make it unique, or set replace_all to true.")
-    new_text = text.replace(old_string, new_string) if old_string else new_string
-    if not replace_all and old_string:
-        new_text = text.replace(old_string, new_string, 1)
+    if not old_string:
+        new_text = new_string
+    else:
+        new_text = text.replace(old_string, new_string, -1 if replace_all else 1)
     line = text[:text.find(old_string)].count("\n") + 1 if old_string else 1
-    diff = diff_content(full, text if old_string or os.path.exists(full) else None, new_text)
+    diff = diff_content(full, text if existed else None, new_text)
     await ctx.confirm([diff], "edit", "file changes")
-    write_text(full, new_text)
+    await ctx.write(full, new_text)
     replaced = count if replace_all else 1
     return ToolResult(f"Edited {full}: replaced {replaced} occurrence(s) at line {line}.",
                       [diff], {"path": full, "replacements": replaced, "line": line},
@@ -1778,21 +2045,24 @@ async def edit_file(ctx: ToolContext, path: str, old_string: str, new_string: st
 }, required=("path",), changes=True, title=path_title("Delete"))
 async def delete_file(ctx: ToolContext, path: str):
     """Delete a file (not a folder)."""
-    full = ctx.resolve(path)
+    full = await ctx.resolve(path)
     if os.path.isdir(full):
         raise ToolError(f"{full} is a directory; DeleteFile deletes files only.")
     if not os.path.lexists(full):
         raise ToolError(f"no such file: {full}")
     try:
-        old = read_text(full)
-        shown = diff_content(full, old, "")
-    except ToolError:   # not text: show a sentence instead of a diff
-        shown = text_content(f"Delete {full}")
+        old = await ctx.read_for_change(full)
+        shown = diff_content(full, old or "", "")
+    except ToolError as e:
+        if "changed since" in str(e):
+            raise
+        shown = text_content(f"Delete {full}")     # not text: a sentence instead of a diff
     await ctx.confirm([shown], "edit", "file changes")
     try:
         os.remove(full)
     except OSError as e:
         raise ToolError(f"cannot delete {full}: {e.strerror}") from None
+    ctx.session.seen.pop(full, None)
     return ToolResult(f"Deleted {full}.", [shown], {"path": full, "deleted": True})
 
 
@@ -1803,7 +2073,7 @@ async def delete_file(ctx: ToolContext, path: str):
     title=lambda args, ctx: f"Move {args.get('source')} → {args.get('destination')}")
 async def move_file(ctx: ToolContext, source: str, destination: str):
     """Move or rename a file or folder. Parent folders of the destination are created."""
-    src, dst = ctx.resolve(source), ctx.resolve(destination)
+    src, dst = await ctx.resolve(source), await ctx.resolve(destination)
     if not os.path.lexists(src):
         raise ToolError(f"no such file: {src}")
     if os.path.lexists(dst):
@@ -1816,6 +2086,7 @@ async def move_file(ctx: ToolContext, source: str, destination: str):
         shutil.move(src, dst)
     except OSError as e:
         raise ToolError(f"cannot move {src}: {e.strerror or e}") from None
+    ctx.session.seen.pop(src, None)
     return ToolResult(f"Moved {src} to {dst}.", [shown], {"source": src, "destination": dst},
                       [{"path": dst}])
 
@@ -1920,7 +2191,7 @@ def ignored(rel: str, is_dir: bool, rules: list) -> bool:
 }, title=lambda args, ctx: f"List {args.get('path') or '.'}")
 async def ls(ctx: ToolContext, path: str = "."):
     """List a folder: sub-folders end with "/", files show their size in bytes."""
-    full = ctx.resolve(path)
+    full = await ctx.resolve(path)
     try:
         entries = sorted(os.scandir(full), key=lambda e: (not e.is_dir(), e.name))
     except FileNotFoundError:
@@ -1950,7 +2221,7 @@ async def ls(ctx: ToolContext, path: str = "."):
 }, required=("pattern",), title=lambda args, ctx: f"Find {args.get('pattern')}")
 async def glob(ctx: ToolContext, pattern: str, path: str = "."):
     """Find files by name pattern. Skips .git and files that .gitignore ignores."""
-    root = ctx.resolve(path)
+    root = await ctx.resolve(path)
     if not os.path.isdir(root):
         raise ToolError(f"no such folder: {root}")
     match = glob_matcher(pattern)
@@ -1979,7 +2250,7 @@ async def grep(ctx: ToolContext, pattern: str, path: str = ".", glob: Optional[s
         raise ToolError(f"invalid regular expression {pattern!r}: {e}") from None
     if glob:
         glob_matcher(glob)
-    root = ctx.resolve(path)
+    root = await ctx.resolve(path)
     if not os.path.exists(root):
         raise ToolError(f"no such file or folder: {root}")
     limit = max(1, min(max_results, 2000))
@@ -2089,7 +2360,12 @@ async def shell(ctx: ToolContext, command: str, timeout: int = SHELL_TIMEOUT):
     key, label = shell_scope(command)
     await ctx.confirm([text_content(f"$ {command}")], key, label)
     timeout = max(1, min(timeout, SHELL_TIMEOUT_MAX))
-    output, code, timed_out = await run_command(command, ctx.cwd, timeout)
+    if ctx.agent.client_can("terminal"):
+        return await run_in_terminal(ctx, command, timeout)
+
+    def show(output: str) -> None:     # the output so far, in the card, as it comes
+        ctx.update(content=[text_content(output[-SHELL_OUTPUT_CHARS // 3:])])
+    output, code, timed_out = await run_command(command, ctx.cwd, timeout, show)
     status = (f"[timed out after {timeout}s; the command was killed]" if timed_out
               else f"[exit code {code}]")
     shown = output[-SHELL_OUTPUT_CHARS // 3:] if output else "(no output)"
@@ -2097,24 +2373,84 @@ async def shell(ctx: ToolContext, command: str, timeout: int = SHELL_TIMEOUT):
                       {"exitCode": code, "timedOut": timed_out, "chars": len(output)})
 
 
-async def run_command(command: str, cwd: str, timeout: float) -> tuple:
+SHELL = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
+
+
+async def run_in_terminal(ctx: ToolContext, command: str, timeout: float) -> ToolResult:
+    """Shell in the editor's own terminal: the user watches it live in the tool card.
+
+    terminal/create (the shell as the command, "-c" and the line as its arguments -- never
+    the whole line as a program name), then wait_for_exit raced against the timeout (kill
+    when it runs out), output, and always release -- also when the turn is cancelled.
+    """
+    conn, ids = ctx.agent.conn, {"sessionId": ctx.session.id}
+    try:
+        created = await conn.request("terminal/create", dict(
+            ids, command=SHELL, args=["-c", command], cwd=ctx.cwd,
+            outputByteLimit=SHELL_OUTPUT_CHARS * 4))
+    except RpcError as e:
+        raise ToolError(f"the editor could not start a terminal: {e.message}") from None
+    terminal_id = created.get("terminalId") if isinstance(created, dict) else None
+    if not isinstance(terminal_id, str):
+        raise ToolError("the editor's terminal/create answer had no terminalId")
+    ids["terminalId"] = terminal_id
+    shown = [{"type": "terminal", "terminalId": terminal_id}]
+    ctx.update(content=shown)
+    released = False
+    try:
+        timed_out = False
+        try:
+            await asyncio.wait_for(conn.request("terminal/wait_for_exit", dict(ids)), timeout)
+        except asyncio.TimeoutError:
+            timed_out = True
+            await conn.request("terminal/kill", dict(ids))
+        result = await conn.request("terminal/output", dict(ids))
+        await conn.request("terminal/release", dict(ids))
+        released = True
+    except RpcError as e:
+        raise ToolError(f"the editor's terminal failed: {e.message}") from None
+    finally:
+        if not released:     # cancelled or failed: kill and release without waiting
+            for method in ("terminal/kill", "terminal/release"):
+                asyncio.ensure_future(conn.request(method, dict(ids))).add_done_callback(
+                    lambda f: f.cancelled() or f.exception())
+    result = result if isinstance(result, dict) else {}
+    output = str(result.get("output", "")).rstrip("\n")
+    if len(output) > SHELL_OUTPUT_CHARS:
+        output = output[:SHELL_OUTPUT_CHARS // 2] + "\n[... output omitted ...]\n" + \
+            output[-SHELL_OUTPUT_CHARS // 2:]
+    exit_status = result.get("exitStatus") if isinstance(result.get("exitStatus"), dict) else {}
+    code, signal_name = exit_status.get("exitCode"), exit_status.get("signal")
+    status = (f"[timed out after {timeout:g}s; the command was killed]" if timed_out else
+              f"[killed by signal {signal_name}]" if signal_name else f"[exit code {code}]")
+    if result.get("truncated"):
+        status = "[the start of the output was cut]\n" + status
+    return ToolResult(f"{output}\n{status}".strip(), shown,
+                      {"exitCode": code, "signal": signal_name, "timedOut": timed_out,
+                       "terminalId": terminal_id})
+
+
+async def run_command(command: str, cwd: str, timeout: float,
+                      show: Optional[Callable[[str], None]] = None) -> tuple:
     """Run `bash -c command` in its own process group: (output, exit code, timed out).
+
+    `show` gets the output so far, at most every SHOW_EVERY seconds, while it runs.
 
     The whole group is killed when the command times out, when the turn is cancelled, and
     when the command exits but leaves background children holding the output pipe.
     """
     import signal
     import subprocess
-    shell_path = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
     env = dict(os.environ, PAGER="cat", GIT_PAGER="cat", GIT_TERMINAL_PROMPT="0")
     proc = await asyncio.create_subprocess_exec(
-        shell_path, "-c", command, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+        SHELL, "-c", command, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     head, tail, total = bytearray(), bytearray(), 0
     half = SHELL_OUTPUT_CHARS // 2
+    shown_at = time.monotonic()
 
     async def pump() -> None:
-        nonlocal total
+        nonlocal total, shown_at
         while True:
             chunk = await proc.stdout.read(65536)
             if not chunk:
@@ -2124,6 +2460,9 @@ async def run_command(command: str, cwd: str, timeout: float) -> tuple:
             head.extend(chunk[:max(room, 0)])
             tail.extend(chunk[max(room, 0):])
             del tail[:-half]
+            if show and time.monotonic() - shown_at >= SHOW_EVERY:
+                shown_at = time.monotonic()
+                show((head + tail).decode("utf-8", "replace"))
 
     async def exited() -> None:
         # Not proc.wait(): from Python 3.12 it also waits for the pipes to close, which a
@@ -2195,6 +2534,78 @@ async def todo_write(ctx: ToolContext, todos: list):
                       f"progress, {counts['completed']} completed.", raw={"entries": entries})
 
 
+# -- Interaction -------------------------------------------------------------------------------
+
+@tool("AskUserQuestion", "other", {
+    "question": arg("string", "The question, complete in itself"),
+    "options": arg("array", "2 to 6 possible answers", items={"type": "string"}),
+}, required=("question", "options"), title=lambda args, ctx: str(args.get("question") or
+                                                                   "Question")[:200])
+async def ask_user_question(ctx: ToolContext, question: str, options: list):
+    """Ask the user to choose, when you cannot go on without their decision. They may also
+    answer in their own words."""
+    choices = [str(o).strip() for o in options if str(o).strip()][:10]
+    if not choices:
+        raise ToolError("give at least one option to choose from")
+    shown = [text_content(question + "".join(f"\n- {c}" for c in choices))]
+    if ctx.agent.client_can("elicitation", "form"):
+        answer = await elicit(ctx, question, choices)
+        if answer is not None:
+            return ToolResult(answer, shown, {"answer": answer})
+    choice = await ctx.choose(shown, [(f"answer-{i}", c, "allow_once")
+                                      for i, c in enumerate(choices)])
+    if choice is None:     # the design document's fallback: the editor cannot ask
+        answer = ("The user could not be asked. Make the most sensible choice yourself and "
+                  "say which you made and why.")
+    else:
+        answer = f"The user answered: {choices[int(choice.split('-')[1])]}"
+    return ToolResult(answer, shown, {"answer": answer})
+
+
+async def elicit(ctx: ToolContext, question: str, choices: list) -> Optional[str]:
+    """A form in the editor (elicitation/create): a choice, or the user's own words. None if
+    the editor failed, so the caller falls back to buttons."""
+    try:
+        result = await ctx.agent.conn.request("elicitation/create", {
+            "sessionId": ctx.session.id, "toolCallId": ctx.call_id, "mode": "form",
+            "message": question, "requestedSchema": {"type": "object", "properties": {
+                "answer": {"type": "string", "title": "Answer",
+                           "oneOf": [{"const": c, "title": c} for c in choices]},
+                "comment": {"type": "string", "title": "Or in your own words"}}}})
+    except RpcError as e:
+        log(f"elicitation/create failed: {e.message}")
+        return None
+    result = result if isinstance(result, dict) else {}
+    if result.get("action") != "accept":
+        return (f"The user did not answer ({result.get('action', 'no answer')}). Make the most "
+                "sensible choice yourself and say which.")
+    content = result.get("content") if isinstance(result.get("content"), dict) else {}
+    said = [f"The user answered: {content['answer']}" if content.get("answer") else "",
+            f"The user wrote: {content['comment']}" if content.get("comment") else ""]
+    return "\n".join(s for s in said if s) or "The user answered without choosing."
+
+
+@tool("ExitPlanMode", "switch_mode", {
+    "plan": arg("string", "The finished plan, in Markdown"),
+}, required=("plan",), title=lambda args, ctx: "Ready to make changes?", modes=("plan",))
+async def exit_plan_mode(ctx: ToolContext, plan: str):
+    """In plan mode, once the plan is ready: show it to the user, who chooses whether to
+    start making changes (and how) or to keep planning."""
+    if ctx.session.mode != "plan":
+        raise ToolError("the session is not in plan mode")
+    shown = [text_content(plan)]
+    choice = await ctx.choose(shown, [
+        ("auto-edit", "Start in auto-edit", "allow_always"),
+        ("default", "Start in default (approve each edit)", "allow_once"),
+        ("plan", "Keep planning", "reject_once")])
+    if choice in ("auto-edit", "default"):
+        ctx.agent.set_mode(ctx.session, choice, "mode")
+        return ToolResult(f"The user approved the plan and switched to {choice} mode. Carry "
+                          "the plan out now.", shown, {"mode": choice})
+    return ToolResult("The user wants to keep planning. Ask what to change, or refine the "
+                      "plan.", shown, {"mode": "plan"})
+
+
 # =============================================================================================
 # 6. Agent loop: one prompt turn
 # =============================================================================================
@@ -2221,7 +2632,8 @@ def system_prompt(session: Session) -> str:
     ]
     if session.mode == "plan":
         parts.append("The session is in PLAN mode: it is read-only. Explore the project and "
-                     "write a plan; do not try to change files or run commands.")
+                     "write a plan; do not try to change files or run commands. When the plan "
+                     "is ready, call ExitPlanMode with it.")
     for name in CONTEXT_FILES:
         text = read_context_file(os.path.join(session.cwd, name))
         if text:
@@ -2276,15 +2688,25 @@ def close_open_calls(messages: list, why: str) -> None:
             return
 
 
-async def run_turn(agent: Agent, session: Session, text: str, shown: str = "") -> str:
+async def run_turn(agent: Agent, session: Session, text: str, shown: str = "",
+                   images: list = ()) -> str:
     """Run one prompt to its end; returns the ACP stop reason.
 
     `text` goes to the model; `shown` (the slash command the user typed, when `text` is its
-    expansion) is what the thread shows and replays.
+    expansion) is what the thread shows and replays. Images go along as data URIs unless
+    the model is configured as text-only.
     """
     close_open_calls(session.messages, "Not run: the turn was interrupted.")
-    session.messages.append({"role": "user", "content": text})
-    session.record(message_chunk("user_message_chunk", shown or text))
+    content: Any = text
+    if images and agent.config.images:
+        content = [{"type": "text", "text": text}] + [
+            {"type": "image_url", "image_url": {"url": f"data:{i['mimeType']};base64,{i['data']}"}}
+            for i in images]
+    session.messages.append({"role": "user", "content": content})
+    if shown or text:
+        session.record(message_chunk("user_message_chunk", shown or text))
+    for image in images:
+        session.record({"sessionUpdate": "user_message_chunk", "content": image})
     if not session.title:
         session.title = " ".join((shown or text).split())[:80] or "Untitled"
         agent.update(session, session_info_update(session.title, iso_time(time.time())))
@@ -2292,6 +2714,10 @@ async def run_turn(agent: Agent, session: Session, text: str, shown: str = "") -
 
     def emit(kind: str, chunk: str) -> None:
         agent.update(session, message_chunk(kind, chunk))
+
+    if images and not agent.config.images:
+        emit("agent_message_chunk", f"[note] {len(images)} image(s) not sent: the model is "
+             "configured as text-only (images: false).\n\n")
 
     if agent.config.problems and not session.messages[:-1]:
         emit("agent_message_chunk", "[warning] " + "\n[warning] ".join(agent.config.problems)
@@ -2409,6 +2835,7 @@ CONTEXT_WINDOWS = [    # model name pattern -> context window in tokens; the fir
     (r"kimi|moonshot", 131_072), (r"glm", 128_000), (r"gpt-oss", 131_072),
 ]
 DEFAULT_CONTEXT_WINDOW = 32_768    # tokens, for a model nobody has told qcr about
+IMAGE_CHARS = 4000                 # an image counts as about 1,000 tokens
 KEEP_SHARE = 0.3                   # compaction keeps recent turns up to this share of the window
 SUMMARY_INTRO = ("[Summary of the earlier conversation, written when the context was "
                  "compacted. The turns after it are verbatim.]\n\n")
@@ -2475,7 +2902,11 @@ def estimate_tokens(messages: list) -> int:
     chars = 0
     for message in messages:
         content = message.get("content")
-        chars += len(content) if isinstance(content, str) else len(json.dumps(content or ""))
+        if isinstance(content, list):       # text and images
+            chars += sum(len(p.get("text", "")) if p.get("type") == "text" else IMAGE_CHARS
+                         for p in content if isinstance(p, dict))
+        else:
+            chars += len(content) if isinstance(content, str) else len(json.dumps(content or ""))
         for call in message.get("tool_calls") or []:
             chars += len(json.dumps(call))
         chars += 16
@@ -2530,6 +2961,9 @@ def render_history(messages: list, limit: int) -> str:
     parts = []
     for message in messages:
         content = message.get("content")
+        if isinstance(content, list):
+            content = " ".join(p.get("text", "") if p.get("type") == "text" else "[image]"
+                               for p in content if isinstance(p, dict))
         content = content if isinstance(content, str) else json.dumps(content)
         if message.get("role") == "tool":
             parts.append("[tool result]\n" + clip(content, 2000))
@@ -2655,12 +3089,12 @@ def read_command(path: str, name: str) -> Optional[Command]:
     return Command(name, description, hint, template=text.strip())
 
 
-async def run_prompt(agent: Agent, session: Session, text: str) -> str:
+async def run_prompt(agent: Agent, session: Session, text: str, images: list = ()) -> str:
     """A prompt is a slash command, or a turn for the model."""
     match = re.match(r"/([A-Za-z0-9][\w.-]*)(?:\s+(.*))?\Z", text.strip(), re.S)
     command = find_commands(agent.config, session.cwd).get(match.group(1)) if match else None
     if command is None:
-        return await run_turn(agent, session, text)
+        return await run_turn(agent, session, text, images=images)
     args = (match.group(2) or "").strip()
     if command.run is not None:
         return await command.run(agent, session, args, text)
@@ -2668,7 +3102,7 @@ async def run_prompt(agent: Agent, session: Session, text: str) -> str:
         prompt = command.template.replace("$ARGUMENTS", args)
     else:
         prompt = command.template + (f"\n\n{args}" if args else "")
-    return await run_turn(agent, session, prompt, shown=text)
+    return await run_turn(agent, session, prompt, shown=text, images=images)
 
 
 def answer(agent: Agent, session: Session, typed: str, reply: str) -> str:
@@ -2708,26 +3142,32 @@ async def command_model(agent: Agent, session: Session, args: str, typed: str) -
 
 
 async def command_permissions(agent: Agent, session: Session, args: str, typed: str) -> str:
-    remembered = list(session.allowed.items())
+    """List the remembered answers that apply here (session, project, everywhere); revoke."""
+    remembered = agent.ledger.scoped(session)
     words = args.split()
     if words[:1] == ["revoke"] and len(words) == 2:
         if words[1] == "all":
-            session.allowed.clear()
-            return answer(agent, session, typed, "Revoked every remembered answer.")
+            for scope, key, _ in remembered:
+                agent.ledger.revoke(session, scope, key)
+            return answer(agent, session, typed, "Revoked every remembered answer that "
+                          "applied here.")
         if words[1].isdigit() and 1 <= int(words[1]) <= len(remembered):
-            key, entry = remembered[int(words[1]) - 1]
-            del session.allowed[key]
-            return answer(agent, session, typed, f"Revoked: {describe_answer(entry)}.")
+            scope, key, entry = remembered[int(words[1]) - 1]
+            agent.ledger.revoke(session, scope, key)
+            return answer(agent, session, typed, f"Revoked: {describe_answer(scope, entry)}.")
     if not remembered:
-        return answer(agent, session, typed, "No remembered answers in this session: every "
-                      "change and command asks first (in the default mode).")
-    lines = [f"{i}. {describe_answer(entry)}" for i, (_, entry) in enumerate(remembered, 1)]
-    return answer(agent, session, typed, "Remembered in this session:\n" + "\n".join(lines) +
+        return answer(agent, session, typed, "No remembered answers apply here: every change "
+                      "and command asks first (in the default mode).")
+    lines = [f"{i}. {describe_answer(scope, entry)}"
+             for i, (scope, _, entry) in enumerate(remembered, 1)]
+    return answer(agent, session, typed, "Remembered answers:\n" + "\n".join(lines) +
                   "\n\n`/permissions revoke N` forgets one, `/permissions revoke all` all.")
 
 
-def describe_answer(entry: dict) -> str:
-    return f"{'always allow' if entry['allow'] else 'always reject'} {entry['label']}"
+def describe_answer(scope: str, entry: dict) -> str:
+    where = {"session": "for this session", "project": "in this project",
+             "global": "everywhere"}[scope]
+    return f"{'allow' if entry['allow'] else 'reject'} {entry['label']} {where}"
 
 
 BUILTIN_COMMANDS = [
@@ -2763,6 +3203,7 @@ class Config:
     max_turn_requests: int = 50                  # model calls in one prompt turn
     request_timeout: float = 300.0               # seconds without a byte from the server
     context_window: int = 0                      # tokens; 0 = by model name (see CONTEXT_WINDOWS)
+    images: bool = True                          # send images (false: a text-only model)
     compact_at: float = 0.8                      # share of the window that triggers compaction
     server_windows: dict = field(default_factory=dict)   # model -> window the server reported
     home: str = ""                               # ~/.qcr
@@ -2775,6 +3216,7 @@ CONFIG_KEYS = {    # config.json key -> (Config attribute, type)
     "maxTokens": ("max_tokens", int), "maxTurnRequests": ("max_turn_requests", int),
     "requestTimeout": ("request_timeout", float),
     "contextWindow": ("context_window", int), "compactAt": ("compact_at", float),
+    "images": ("images", bool),
 }
 ENV_KEYS = [       # environment variable -> config.json key; later ones win
     ("OPENAI_BASE_URL", "baseUrl"), ("OPENAI_API_KEY", "apiKey"), ("OPENAI_MODEL", "model"),
@@ -2782,7 +3224,7 @@ ENV_KEYS = [       # environment variable -> config.json key; later ones win
     ("QCR_MODELS", "models"), ("QCR_TEMPERATURE", "temperature"),
     ("QCR_MAX_TOKENS", "maxTokens"), ("QCR_MAX_TURN_REQUESTS", "maxTurnRequests"),
     ("QCR_REQUEST_TIMEOUT", "requestTimeout"), ("QCR_CONTEXT_WINDOW", "contextWindow"),
-    ("QCR_COMPACT_AT", "compactAt"),
+    ("QCR_COMPACT_AT", "compactAt"), ("QCR_IMAGES", "images"),
 ]
 
 
@@ -2833,6 +3275,12 @@ def apply_config(config: Config, data: dict, source: str) -> None:
             elif kind is str:
                 if not isinstance(value, str):
                     raise TypeError("not a string")
+            elif kind is bool:
+                if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on",
+                                                                "0", "false", "no", "off"):
+                    value = value.lower() in ("1", "true", "yes", "on")
+                if not isinstance(value, bool):
+                    raise TypeError("not true or false")
             else:
                 value = kind(value)
                 if kind is int and value < 1:

@@ -31,7 +31,7 @@ import qcr  # noqa: E402  (importing runs nothing)
 from qcr import completion_chunk, scripted_reply, sse  # noqa: E402
 
 ALLOW = {"outcome": {"outcome": "selected", "optionId": "allow_once"}}
-ALLOW_ALWAYS = {"outcome": {"outcome": "selected", "optionId": "allow_always"}}
+ALLOW_ALWAYS = {"outcome": {"outcome": "selected", "optionId": "allow_session"}}
 REJECT = {"outcome": {"outcome": "selected", "optionId": "reject_once"}}
 
 
@@ -95,6 +95,7 @@ class AcpProcess:
         self.frames = queue.Queue()
         self.bad_lines, self.stderr = [], bytearray()
         self.next_id = 1
+        self.lock = threading.Lock()        # the editor's threads answer too
         threading.Thread(target=self._read_stdout, daemon=True).start()
         threading.Thread(target=self._read_stderr, daemon=True).start()
 
@@ -113,8 +114,9 @@ class AcpProcess:
             self.stderr.extend(line)
 
     def send_raw(self, data: bytes):
-        self.proc.stdin.write(data)
-        self.proc.stdin.flush()
+        with self.lock:
+            self.proc.stdin.write(data)
+            self.proc.stdin.flush()
 
     def send(self, message):
         self.send_raw(json.dumps(message).encode() + b"\n")
@@ -520,7 +522,7 @@ class TestInitialize(AcpTestCase):
         caps = result["agentCapabilities"]
         self.assertTrue(caps["loadSession"])
         self.assertEqual(caps["promptCapabilities"],
-                         {"image": False, "audio": False, "embeddedContext": True})
+                         {"image": True, "audio": False, "embeddedContext": True})
         self.assertEqual(caps["mcpCapabilities"], {"http": False, "sse": False})
 
 
@@ -533,7 +535,7 @@ class TestSessionSetup(AcpTestCase):
         self.assertRegex(result["sessionId"], r"^acp-[0-9a-f]{16}-[0-9a-f]{16}$")
         self.assertEqual(result["modes"]["currentModeId"], "default")
         self.assertEqual([m["id"] for m in result["modes"]["availableModes"]],
-                         ["default", "plan", "auto-edit"])
+                         ["default", "plan", "auto-edit", "yolo"])
         options = {o["id"]: o for o in result["configOptions"]}
         self.assertEqual(options["mode"]["currentValue"], "default")
         self.assertEqual(options["mode"]["category"], "mode")
@@ -570,7 +572,7 @@ class TestSessionSetup(AcpTestCase):
             "sessionId": session_id, "configId": "model", "value": "m2"})
         options = {o["id"]: o for o in response["result"]["configOptions"]}
         self.assertEqual(options["model"]["currentValue"], "m2")
-        bad = [("session/set_mode", {"modeId": "yolo"}, "modeId"),
+        bad = [("session/set_mode", {"modeId": "turbo"}, "modeId"),
                ("session/set_config_option", {"configId": "speed", "value": "x"}, "configId"),
                ("session/set_config_option", {"configId": "model", "value": "m9"}, "value"),
                ("session/set_config_option", {"configId": "mode", "value": 3}, "value")]
@@ -804,7 +806,8 @@ class TestSessionsThatLast(AcpTestCase):
         agent = self.start()
         response, _, _ = agent.call("initialize", {"protocolVersion": 1})
         self.assertEqual(response["result"]["agentCapabilities"]["sessionCapabilities"],
-                         {"list": {}, "resume": {}, "close": {}, "delete": {}})
+                         {"list": {}, "resume": {}, "close": {}, "delete": {},
+                          "additionalDirectories": {}})
         first = self.new_session(agent)
         self.prompt(agent, first, "first session")
         other = os.path.join(self.tmp, "other")
@@ -1071,9 +1074,9 @@ class TestSlashCommands(AcpTestCase):
         self.prompt(agent, session_id, "write a", answer=ALLOW_ALWAYS)
         self.assertEqual(self.model.requests[-1]["model"], "other-model")
         _, updates, _ = self.prompt(agent, session_id, "/permissions")
-        self.assertIn("1. always allow file changes", text_of(updates))
+        self.assertIn("1. allow file changes for this session", text_of(updates))
         _, updates, _ = self.prompt(agent, session_id, "/permissions revoke 1")
-        self.assertIn("Revoked: always allow file changes", text_of(updates))
+        self.assertIn("Revoked: allow file changes for this session", text_of(updates))
         _, _, requests = self.prompt(agent, session_id, "write b")
         self.assertEqual(len(requests), 1)                 # it asks again
 
@@ -1284,8 +1287,11 @@ class TestTools(AcpTestCase):
         permission = requests[0]
         self.assertEqual(permission["method"], "session/request_permission")
         self.assertEqual(permission["params"]["toolCall"]["content"], [diff])
-        self.assertEqual([o["kind"] for o in permission["params"]["options"]],
-                         ["allow_once", "allow_always", "reject_once", "reject_always"])
+        self.assertEqual([(o["optionId"], o["kind"]) for o in permission["params"]["options"]],
+                         [("allow_once", "allow_once"), ("allow_session", "allow_always"),
+                          ("allow_project", "allow_always"), ("allow_global", "allow_always"),
+                          ("reject_once", "reject_once"), ("reject_session", "reject_always"),
+                          ("reject_project", "reject_always")])
         # the permission request comes after the announcement, before in_progress
         self.assertEqual(permission["params"]["toolCall"]["toolCallId"], first["toolCallId"])
 
@@ -1466,7 +1472,7 @@ class TestTools(AcpTestCase):
         _, _, requests = self.prompt(agent, self.new_session(agent), "go",
                                      answer=lambda frame: answers.pop(0))
         self.assertEqual(len(requests), 2)       # the same command again was not asked
-        self.assertIn("Always allow this exact command in this session",
+        self.assertIn("Allow this exact command for this session",
                       [o["name"] for o in requests[0]["params"]["options"]])
         self.assertFalse(os.path.exists(os.path.join(self.project, "pwned")))
 
@@ -1541,7 +1547,7 @@ class TestPermissionsAndModes(AcpTestCase):
         self.assertEqual(self.read("b.txt"), "2")
         titles = [r["params"]["toolCall"]["title"] for r in requests]
         self.assertEqual(titles, ["Write a.txt", "echo one", "ls"])
-        self.assertIn("Always allow `echo` commands in this session",
+        self.assertIn("Allow `echo` commands for this session",
                       [o["name"] for o in requests[1]["params"]["options"]])
 
     def test_plan_mode_refuses_changes_whatever_the_model_asks(self):
@@ -1585,7 +1591,419 @@ class TestPermissionsAndModes(AcpTestCase):
             {"jsonrpc": "2.0", "id": frame["id"], "error": {"code": -32603, "message": "no"}}))
         self.assertResult(response, {"stopReason": "end_turn"})
         self.assertFalse(os.path.exists(os.path.join(self.project, "a.txt")))
-        self.assertIn("could not ask the user", self.tool_messages(1)[0])
+        self.assertIn("The permission request was cancelled or failed", self.tool_messages(1)[0])
+
+
+class FakeEditor:
+    """An ACP client that implements the editor's methods for real: fs/* on the disk (with
+    unsaved buffers that win over it), terminal/* with real child processes, permission and
+    elicitation answers from the test. Pass it as `answer=` to AcpProcess.wait."""
+
+    CAPABILITIES = {"fs": {"readTextFile": True, "writeTextFile": True}, "terminal": True}
+
+    def __init__(self, agent, project, permission=ALLOW, elicit=None, format_on_save=None):
+        self.agent, self.project = agent, project
+        self.permission, self.elicit, self.format_on_save = permission, elicit, format_on_save
+        self.buffers, self.writes, self.calls, self.terminals = {}, [], [], {}
+
+    def __call__(self, frame):
+        method, params = frame["method"], frame["params"]
+        self.calls.append((method, params))
+        handler = getattr(self, method.replace("/", "_"), None)
+        if handler is None:
+            return self.error(frame, -32601, "Method not found")
+        return handler(frame, params)
+
+    def error(self, frame, code, message):
+        self.agent.send({"jsonrpc": "2.0", "id": frame["id"],
+                         "error": {"code": code, "message": message}})
+
+    def methods(self):
+        return [m for m, _ in self.calls]
+
+    def session_request_permission(self, frame, params):
+        return self.permission(frame) if callable(self.permission) else self.permission
+
+    def elicitation_create(self, frame, params):
+        return self.elicit(params)
+
+    def fs_read_text_file(self, frame, params):
+        path = params["path"]
+        if not path.startswith(self.project + os.sep):
+            return self.error(frame, -32002, "path is outside the project")
+        if path in self.buffers:
+            return {"content": self.buffers[path]}
+        try:
+            with open(path, encoding="utf-8", newline="") as f:
+                return {"content": f.read()}
+        except OSError:
+            return self.error(frame, -32002, "not found")
+
+    def fs_write_text_file(self, frame, params):
+        path, content = params["path"], params["content"]
+        if not path.startswith(self.project + os.sep):
+            return self.error(frame, -32603, "invalid path")
+        self.writes.append((path, content))
+        if self.format_on_save:
+            content = self.format_on_save(content)
+        with open(path, "w", encoding="utf-8", newline="") as f:
+            f.write(content)
+        self.buffers.pop(path, None)
+        return {}
+
+    def terminal_create(self, frame, params):
+        proc = subprocess.Popen([params["command"]] + params.get("args", []),
+                                cwd=params.get("cwd"), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        terminal = {"proc": proc, "output": bytearray(), "released": False}
+        threading.Thread(target=lambda: [terminal["output"].extend(chunk)
+                                         for chunk in iter(lambda: proc.stdout.read1(4096), b"")],
+                         daemon=True).start()
+        terminal_id = f"term-{len(self.terminals)}"
+        self.terminals[terminal_id] = terminal
+        return {"terminalId": terminal_id}
+
+    def exit_status(self, proc):
+        code = proc.returncode
+        return {"exitCode": code if code >= 0 else None,
+                "signal": signal.Signals(-code).name if code < 0 else None}
+
+    def terminal_wait_for_exit(self, frame, params):
+        proc = self.terminals[params["terminalId"]]["proc"]
+
+        def wait():       # answered when the process ends, while other frames flow
+            proc.wait()
+            self.agent.send({"jsonrpc": "2.0", "id": frame["id"],
+                             "result": self.exit_status(proc)})
+        threading.Thread(target=wait, daemon=True).start()
+        return None
+
+    def terminal_output(self, frame, params):
+        terminal = self.terminals[params["terminalId"]]
+        proc = terminal["proc"]
+        if proc.poll() is not None:
+            time.sleep(0.1)    # let the reader thread drain the pipe
+        result = {"output": terminal["output"].decode(errors="replace"), "truncated": False}
+        if proc.poll() is not None:
+            result["exitStatus"] = self.exit_status(proc)
+        return result
+
+    def terminal_kill(self, frame, params):
+        proc = self.terminals[params["terminalId"]]["proc"]
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        return {}
+
+    def terminal_release(self, frame, params):
+        self.terminal_kill(frame, params)
+        self.terminals[params["terminalId"]]["released"] = True
+        return {}
+
+
+class TestEditorIntegration(AcpTestCase):
+    def editor_session(self, agent, capabilities=FakeEditor.CAPABILITIES, **kw):
+        params = {"cwd": self.project, "mcpServers": []}
+        if "dirs" in kw:
+            params["additionalDirectories"] = kw.pop("dirs")
+        editor = FakeEditor(agent, self.project, **kw)
+        response, _, _ = agent.call("initialize", {"protocolVersion": 1,
+                                                   "clientCapabilities": capabilities})
+        response, _, _ = agent.call("session/new", params)
+        agent.recv()                                    # the commands
+        return editor, response["result"]["sessionId"]
+
+    def test_files_go_through_the_editor_with_its_unsaved_buffers(self):
+        path = self.write("a.py", "x = 1\n")
+        self.fake_model(calls(("ReadFile", {"path": "a.py"})),
+                        calls(("EditFile", {"path": "a.py", "old_string": "x = 'unsaved'",
+                                            "new_string": "x = 2"})),
+                        scripted_reply("done"))
+        agent = self.start()
+        editor, session_id = self.editor_session(agent)
+        editor.buffers[path] = "x = 'unsaved'\n"
+        response, updates, _ = self.prompt(agent, session_id, "edit", answer=editor)
+        self.assertResult(response, {"stopReason": "end_turn"})
+        self.assertEqual(self.tool_messages(1)[0], "     1\tx = 'unsaved'")
+        self.assertEqual(editor.writes, [(path, "x = 2\n")])
+        self.assertEqual(self.read("a.py"), "x = 2\n")
+        self.assertIn("fs/read_text_file", editor.methods())
+        self.assertClean(agent)
+
+    def test_a_file_changed_behind_qcrs_back_is_not_clobbered(self):
+        for capabilities in (FakeEditor.CAPABILITIES, {}):
+            with self.subTest(through_editor=bool(capabilities)):
+                self.write("a.py", "x = 1\n")
+
+                def change_it(body):       # while the model "thinks", someone edits the file
+                    self.write("a.py", "x = 1\ny = 'theirs'\n")
+                    return calls(("WriteFile", {"path": "a.py", "content": "x = 2\n"}))
+                self.fake_model(calls(("ReadFile", {"path": "a.py"})), change_it,
+                                scripted_reply("ok"))
+                agent = self.start()
+                editor, session_id = self.editor_session(agent, capabilities)
+                _, updates, _ = self.prompt(agent, session_id, "go", answer=editor)
+                self.assertIn("has changed since you last read it", self.tool_messages(2)[-1])
+                self.assertEqual(self.read("a.py"), "x = 1\ny = 'theirs'\n")
+                self.assertEqual(list(final_status(updates).values()), ["completed", "failed"])
+                self.model.close()
+
+    def test_what_format_on_save_leaves_is_what_qcr_remembers(self):
+        self.write("a.py", "x = 1\n")
+        self.fake_model(calls(("WriteFile", {"path": "a.py", "content": "x=2"})),
+                        calls(("EditFile", {"path": "a.py", "old_string": "x = 2",
+                                            "new_string": "x = 3"})),
+                        scripted_reply("ok"))
+        agent = self.start()
+        editor, session_id = self.editor_session(
+            agent, format_on_save=lambda text: text.replace("x=2", "x = 2") + "\n")
+        _, updates, _ = self.prompt(agent, session_id, "go", answer=editor)
+        self.assertEqual(list(final_status(updates).values()), ["completed", "completed"])
+        self.assertEqual(self.read("a.py"), "x = 3\n\n")
+
+    def test_shell_runs_in_the_editors_terminal(self):
+        self.fake_model(calls(("Shell", {"command": "echo hi from $0; exit 4"})),
+                        scripted_reply("ok"))
+        agent = self.start()
+        editor, session_id = self.editor_session(agent)
+        _, updates, _ = self.prompt(agent, session_id, "run", answer=editor)
+        create = [p for m, p in editor.calls if m == "terminal/create"][0]
+        self.assertEqual((create["command"], create["args"], create["cwd"]),
+                         (qcr.SHELL, ["-c", "echo hi from $0; exit 4"], self.project))
+        self.assertIn({"type": "terminal", "terminalId": "term-0"},
+                      [c for u in updates for c in u.get("content") or []])
+        self.assertEqual(self.tool_messages(1)[0], f"hi from {qcr.SHELL}\n[exit code 4]")
+        self.assertTrue(editor.terminals["term-0"]["released"])
+        self.assertEqual(editor.methods()[-1], "terminal/release")
+
+    def test_a_terminal_is_killed_and_released_on_timeout_and_on_cancel(self):
+        self.fake_model(calls(("Shell", {"command": "echo start; sleep 30", "timeout": 1})),
+                        scripted_reply("ok"))
+        agent = self.start()
+        editor, session_id = self.editor_session(agent)
+        self.prompt(agent, session_id, "run", answer=editor)
+        self.assertIn("[timed out after 1s; the command was killed]", self.tool_messages(1)[0])
+        self.assertIn("start", self.tool_messages(1)[0])
+        self.assertIn("terminal/kill", editor.methods())
+        self.assertTrue(editor.terminals["term-0"]["released"])
+        self.model.close()
+
+        self.fake_model(calls(("Shell", {"command": "sleep 30"})), scripted_reply("ok"))
+        agent = self.start()
+        editor, session_id = self.editor_session(agent)
+
+        def cancel_when_waiting(frame):
+            result = editor(frame)
+            if frame["method"] == "terminal/wait_for_exit":
+                agent.notify("session/cancel", {"sessionId": session_id})
+            return result
+        response, _, _ = self.prompt(agent, session_id, "run", answer=cancel_when_waiting)
+        self.assertResult(response, {"stopReason": "cancelled"})
+        deadline = time.monotonic() + 5
+        while not editor.terminals["term-0"]["released"] and time.monotonic() < deadline:
+            try:
+                frame = agent.recv(timeout=0.5)
+                if "method" in frame and "id" in frame:
+                    result = editor(frame)
+                    if result is not None:
+                        agent.send({"jsonrpc": "2.0", "id": frame["id"], "result": result})
+            except AssertionError:
+                pass
+        self.assertTrue(editor.terminals["term-0"]["released"])
+        self.assertIsNotNone(editor.terminals["term-0"]["proc"].poll())
+
+    def test_local_shell_output_streams_into_the_card(self):
+        self.fake_model(calls(("Shell", {"command": "for i in 1 2 3; do echo line $i; "
+                                                    "sleep 0.4; done"})), scripted_reply("ok"))
+        agent = self.start()
+        session_id = self.new_session(agent)
+        _, updates, _ = self.prompt(agent, session_id, "run")
+        running = [u for u in updates if u["sessionUpdate"] == "tool_call_update"
+                   and "status" not in u and u.get("content")]
+        self.assertGreaterEqual(len(running), 2)
+        self.assertTrue(running[0]["content"][0]["content"]["text"].startswith("line 1"))
+
+    def test_images_reach_the_model_or_the_user_is_told(self):
+        image = {"type": "image", "mimeType": "image/png", "data": "iVBORw0KGgo="}
+        for env, sent in (({}, True), ({"QCR_IMAGES": "false"}, False)):
+            with self.subTest(env=env):
+                self.fake_model(scripted_reply("I see"))
+                agent = self.start(env=env)
+                session_id = self.new_session(agent)
+                _, updates, _ = agent.call("session/prompt", {"sessionId": session_id,
+                                                              "prompt": [{"type": "text",
+                                                                          "text": "What?"},
+                                                                         image]})
+                content = self.model.requests[0]["messages"][-1]["content"]
+                if sent:
+                    self.assertEqual(content, [
+                        {"type": "text", "text": "What?"},
+                        {"type": "image_url",
+                         "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}])
+                else:
+                    self.assertEqual(content, "What?")
+                    self.assertIn("[note] 1 image(s) not sent", text_of(updates))
+                agent.close()
+                agent = self.start(env=env)
+                agent.call("initialize", {"protocolVersion": 1})
+                _, replay, _ = agent.call("session/load", {"sessionId": session_id,
+                                                           "cwd": self.project,
+                                                           "mcpServers": []})
+                self.assertIn({"sessionUpdate": "user_message_chunk", "content": image}, replay)
+                self.model.close()
+
+    def test_resource_links_are_read_through_the_editor(self):
+        path = self.write("notes.md", "on disk\n")
+        self.fake_model(scripted_reply("ok"))
+        agent = self.start()
+        editor, session_id = self.editor_session(agent)
+        editor.buffers[path] = "unsaved notes\n"
+        agent.wait(agent.request("session/prompt", {"sessionId": session_id, "prompt": [
+            {"type": "text", "text": "read "},
+            {"type": "resource_link", "uri": "file://" + path, "name": "notes.md"}]}),
+            answer=editor)
+        self.assertIn("unsaved notes", self.model.requests[0]["messages"][-1]["content"])
+
+    def test_additional_directories_and_paths_outside_every_root(self):
+        other = os.path.join(self.tmp, "other")
+        outside = os.path.join(self.tmp, "outside")
+        for folder in (other, outside):
+            os.makedirs(folder)
+            with open(os.path.join(folder, "f.txt"), "w") as f:
+                f.write(f"in {os.path.basename(folder)}\n")
+        os.symlink(outside, os.path.join(self.project, "sneaky"))
+        self.fake_model(calls(("ReadFile", {"path": os.path.join(other, "f.txt")})),
+                        calls(("ReadFile", {"path": "sneaky/f.txt"})),
+                        calls(("ReadFile", {"path": os.path.join(outside, "f.txt")})),
+                        scripted_reply("ok"))
+        agent = self.start()
+        editor, session_id = self.editor_session(agent, {}, dirs=[other])
+        answers = [REJECT, ALLOW]
+        editor.permission = lambda frame: answers.pop(0)
+        _, updates, _ = self.prompt(agent, session_id, "read", answer=editor)
+        results = self.tool_messages(3)
+        self.assertEqual(results[0], "     1\tin other")
+        self.assertIn("The user declined", results[1])          # the symlink leads outside
+        self.assertEqual(results[2], "     1\tin outside")
+        asked = [p for m, p in editor.calls if m == "session/request_permission"]
+        self.assertIn("outside the project's folders", json.dumps(asked[0]))
+        self.model.close()
+        self.fake_model(calls(("ReadFile", {"path": os.path.join(outside, "f.txt")})),
+                        scripted_reply("ok"))
+        agent = self.start()
+        editor, session_id = self.editor_session(agent, {})
+        agent.call("session/set_mode", {"sessionId": session_id, "modeId": "plan"})
+        self.prompt(agent, session_id, "read", answer=editor)
+        self.assertIn("plan mode stays inside them", self.tool_messages(1)[0])
+        response, _, _ = agent.call("session/new", {"cwd": self.project, "mcpServers": [],
+                                                    "additionalDirectories": ["rel"]})
+        self.assertRpcError(response, qcr.INVALID_PARAMS, "additionalDirectories[0]")
+
+    def test_ask_user_question_by_form_by_buttons_or_not_at_all(self):
+        question = ("AskUserQuestion", {"question": "Which database?",
+                                        "options": ["SQLite", "Postgres"]})
+        forms = []
+
+        def form(params):
+            forms.append(params)
+            return {"action": "accept", "content": {"answer": "Postgres", "comment": "v16"}}
+        self.fake_model(calls(question), scripted_reply("ok"))
+        agent = self.start()
+        editor, session_id = self.editor_session(
+            agent, {"elicitation": {"form": {}}}, elicit=form)
+        self.prompt(agent, session_id, "ask", answer=editor)
+        self.assertEqual(self.tool_messages(1)[0],
+                         "The user answered: Postgres\nThe user wrote: v16")
+        self.assertEqual(forms[0]["mode"], "form")
+        self.assertEqual(forms[0]["requestedSchema"]["properties"]["answer"]["oneOf"],
+                         [{"const": "SQLite", "title": "SQLite"},
+                          {"const": "Postgres", "title": "Postgres"}])
+        self.model.close()
+        for permission, expected in (
+                ({"outcome": {"outcome": "selected", "optionId": "answer-1"}},
+                 "The user answered: Postgres"),
+                (lambda frame: editor.error(frame, -32603, "no"), "could not be asked")):
+            with self.subTest(expected=expected):
+                self.fake_model(calls(question), scripted_reply("ok"))
+                agent = self.start()
+                editor, session_id = self.editor_session(agent, {}, permission=permission)
+                self.prompt(agent, session_id, "ask", answer=editor)
+                self.assertIn(expected, self.tool_messages(1)[0])
+                asked = [p for m, p in editor.calls if m == "session/request_permission"]
+                self.assertEqual([o["name"] for o in asked[0]["options"]], ["SQLite", "Postgres"])
+                self.model.close()
+
+    def test_plan_approval_switches_the_mode(self):
+        for choice, mode in (("auto-edit", "auto-edit"), ("plan", "plan")):
+            with self.subTest(choice=choice):
+                self.fake_model(calls(("ExitPlanMode", {"plan": "1. Edit a.py"})),
+                                scripted_reply("ok"))
+                agent = self.start()
+                editor, session_id = self.editor_session(agent, {}, permission={
+                    "outcome": {"outcome": "selected", "optionId": choice}})
+                agent.call("session/set_mode", {"sessionId": session_id, "modeId": "plan"})
+                _, updates, _ = self.prompt(agent, session_id, "plan it", answer=editor)
+                in_plan = [t["function"]["name"] for t in self.model.requests[0]["tools"]]
+                self.assertIn("ExitPlanMode", in_plan)
+                asked = [p for m, p in editor.calls if m == "session/request_permission"][0]
+                self.assertEqual([o["name"] for o in asked["options"]],
+                                 ["Start in auto-edit", "Start in default (approve each edit)",
+                                  "Keep planning"])
+                self.assertEqual(asked["toolCall"]["content"][0]["content"]["text"],
+                                 "1. Edit a.py")
+                calls_ = [u for u in updates if u["sessionUpdate"] == "tool_call"]
+                self.assertEqual(calls_[0]["kind"], "switch_mode")
+                modes = [u["currentModeId"] for u in updates
+                         if u["sessionUpdate"] == "current_mode_update"]
+                self.assertEqual(modes, ["auto-edit"] if mode == "auto-edit" else [])
+                offered = [t["function"]["name"] for t in self.model.requests[1]["tools"]]
+                self.assertEqual("EditFile" in offered, mode == "auto-edit")
+                self.assertEqual("ExitPlanMode" in offered, mode == "plan")
+                self.model.close()
+
+    def test_remembered_answers_by_scope_survive_a_restart(self):
+        self.fake_model(calls(("WriteFile", {"path": "a.txt", "content": "1"})),
+                        calls(("Shell", {"command": "echo hi"})), scripted_reply("ok"))
+        agent = self.start()
+        scopes = [{"outcome": {"outcome": "selected", "optionId": "allow_project"}},
+                  {"outcome": {"outcome": "selected", "optionId": "allow_global"}}]
+        editor, session_id = self.editor_session(agent, {},
+                                                 permission=lambda frame: scopes.pop(0))
+        self.prompt(agent, session_id, "go", answer=editor)
+        with open(os.path.join(self.home, ".qcr", "permissions.json")) as f:
+            ledger = json.load(f)
+        self.assertEqual(ledger["projects"][self.project],
+                         {"edit": {"allow": True, "label": "file changes"}})
+        self.assertEqual(ledger["global"], {"Shell:echo": {"allow": True,
+                                                          "label": "`echo` commands"}})
+        agent.close()
+        self.model.close()
+        self.fake_model(calls(("WriteFile", {"path": "b.txt", "content": "2"})),
+                        calls(("Shell", {"command": "echo again"})), scripted_reply("ok"))
+        agent = self.start()
+        editor, session_id = self.editor_session(agent, {})
+        self.prompt(agent, session_id, "go", answer=editor)
+        self.assertEqual(editor.calls, [])                 # nothing asked: remembered
+        self.assertEqual(self.read("b.txt"), "2")
+        _, updates, _ = self.prompt(agent, session_id, "/permissions", answer=editor)
+        self.assertIn("1. allow file changes in this project", text_of(updates))
+        self.assertIn("2. allow `echo` commands everywhere", text_of(updates))
+        self.prompt(agent, session_id, "/permissions revoke 1", answer=editor)
+        with open(os.path.join(self.home, ".qcr", "permissions.json")) as f:
+            self.assertEqual(json.load(f)["projects"][self.project], {})
+
+    def test_yolo_runs_everything_without_asking(self):
+        outside = os.path.join(self.tmp, "outside.txt")
+        self.fake_model(calls(("Shell", {"command": "echo yolo > made.txt"})),
+                        calls(("WriteFile", {"path": outside, "content": "x"})),
+                        scripted_reply("ok"))
+        agent = self.start()
+        editor, session_id = self.editor_session(agent, {})
+        agent.call("session/set_mode", {"sessionId": session_id, "modeId": "yolo"})
+        self.prompt(agent, session_id, "go", answer=editor)
+        self.assertEqual(editor.calls, [])
+        self.assertEqual(self.read("made.txt"), "yolo\n")
+        self.assertTrue(os.path.exists(outside))
 
 
 # =============================================================================================
