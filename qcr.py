@@ -201,6 +201,7 @@ class Connection:
         self.pending: dict = {}      # our request id -> future awaiting the peer's response
         self.tasks: set = set()      # request handlers still running
         self.next_id = 0
+        self.bad_frames = 0          # lines that were not JSON-RPC frames
 
     # -- writing ----------------------------------------------------------------------------
     def send(self, message: dict) -> None:
@@ -259,6 +260,7 @@ class Connection:
         try:
             message = loads(line.decode("utf-8"))
         except (ValueError, RecursionError) as e:   # includes invalid UTF-8
+            self.bad_frames += 1
             return self.reply(None, error=RpcError.parse_error(str(e)[:200]))
         if isinstance(message, list):
             return self.reply(None, error=RpcError.invalid_request(
@@ -3294,13 +3296,16 @@ def apply_config(config: Config, data: dict, source: str) -> None:
 
 
 # =============================================================================================
-# 8. Self-test: a scripted model server, and a client that drives `qcr.py --acp`
+# 8. The client side: headless mode, --client, and the self-test
 # =============================================================================================
 #
-# `qcr.py --selftest` needs no model and no network: it serves a scripted OpenAI-compatible
-# model on 127.0.0.1, starts `qcr.py --acp` as a child over real pipes, plays an editor
-# (answering the permission request), and checks what comes back. The test suite reuses
-# FakeModel with its own scripts.
+# ACP is symmetric JSON-RPC, so the editor's side reuses section 1's Connection. `Client`
+# drives an agent through one prompt and prints what an editor would show. `qcr.py -p TEXT`
+# wires it to qcr's own Agent in this process (two Connections joined back to back, the
+# same frames as over pipes); `qcr.py --client -p TEXT -- CMD...` runs any ACP agent as a
+# child and shows every frame; `qcr.py --selftest` runs `qcr.py --acp` against FakeModel, a
+# scripted OpenAI-compatible model server on 127.0.0.1, and checks what comes back. The test
+# suite reuses FakeModel with its own scripts.
 
 def sse(obj: Any) -> bytes:
     """One server-sent event carrying a JSON object ("[DONE]" passes as is)."""
@@ -3429,52 +3434,173 @@ def selftest_script(body: dict) -> Any:
     return scripted_reply(text, calls)
 
 
-class SelftestClient:
-    """A minimal ACP client over the pipes of a child `qcr.py --acp`."""
+class Client:
+    """The editor's side of ACP, for a terminal or a test: one session, one prompt at a time.
 
-    def __init__(self, argv: list, env: dict, cwd: str):
-        import queue
-        import subprocess
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, env=env, cwd=cwd)
-        self.frames: Any = queue.Queue()
-        self.bad_lines: list = []
-        self.next_id = 0
-        threading.Thread(target=self._read, daemon=True).start()
+    Updates are kept in `updates` and, with `out`, rendered as an editor would show them:
+    streamed text, thoughts, tool calls with their status, the plan. Permission requests are
+    answered by `permission(params)` -> optionId, else by `yes` (allow once), else by asking
+    on the terminal, else rejected. The client offers no fs or terminal methods.
+    """
 
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            try:
-                self.frames.put(json.loads(line))
-            except ValueError:
-                self.bad_lines.append(line)
-        self.frames.put(None)
+    def __init__(self, out: Any = None, yes: bool = False, trace: Any = None,
+                 permission: Optional[Callable] = None):
+        self.out, self.yes, self.trace, self.permission = out, yes, trace, permission
+        self.updates: list = []
+        self.permissions: list = []
+        self.on_update: Optional[Callable] = None
+        self.conn: Optional[Connection] = None
+        self.error_seen = False
+        self._line_open = False
 
-    def send(self, message: dict) -> None:
-        self.proc.stdin.write(encode_frame(message))
-        self.proc.stdin.flush()
+    def connect(self, reader: asyncio.StreamReader, write: Callable[[bytes], None]) -> Any:
+        self.conn = Connection(write, self.on_request, self.on_notification, self.trace)
+        return asyncio.ensure_future(self.conn.serve(reader))
 
-    def request(self, method: str, params: dict, on_update: Optional[Callable] = None,
-                timeout: float = 20.0) -> tuple:
-        """Send a request; return (response, updates seen, permission requests answered)."""
-        request_id, self.next_id = self.next_id, self.next_id + 1
-        self.send({"jsonrpc": "2.0", "id": request_id, "method": method, "params": params})
-        updates, permissions = [], []
-        deadline = time.monotonic() + timeout
-        while True:
-            frame = self.frames.get(timeout=max(0.01, deadline - time.monotonic()))
-            if frame is None:
-                raise EOFError("qcr closed its stdout")
-            if frame.get("method") == "session/update":
-                updates.append(frame["params"]["update"])
-                if on_update:
-                    on_update(frame["params"]["update"])
-            elif frame.get("method") == "session/request_permission":
-                permissions.append(frame["params"])
-                self.send({"jsonrpc": "2.0", "id": frame["id"], "result": {
-                    "outcome": {"outcome": "selected", "optionId": "allow_once"}}})
-            elif frame.get("id") == request_id:
-                return frame, updates, permissions
+    async def call(self, method: str, params: dict) -> Any:
+        return await self.conn.request(method, params)
+
+    async def on_request(self, method: str, params: dict) -> Any:
+        if method != "session/request_permission":
+            raise RpcError.method_not_found(method)
+        self.permissions.append(params)
+        options = [o for o in params.get("options", []) if isinstance(o, dict)]
+        choice = self.permission(params) if self.permission else await self.ask(params, options)
+        if choice is None:
+            return {"outcome": {"outcome": "cancelled"}}
+        return {"outcome": {"outcome": "selected", "optionId": choice}}
+
+    async def ask(self, params: dict, options: list) -> Optional[str]:
+        allow = [o["optionId"] for o in options if o.get("kind") == "allow_once"]
+        reject = [o["optionId"] for o in options if o.get("kind") == "reject_once"]
+        title = (params.get("toolCall") or {}).get("title", "a tool call")
+        if self.yes and allow:
+            return allow[0]
+        if not sys.stdin.isatty():
+            self.say(f"\n[rejected {title}: not a terminal, and no --yes]\n")
+            return reject[0] if reject else None
+        names = "  ".join(f"[{i}] {o.get('name')}" for i, o in enumerate(options, 1))
+        self.say(f"\n? {title}\n  {names}\n")
+        answer = await asyncio.to_thread(input, "  choose: ")
+        return options[int(answer) - 1]["optionId"] if answer.strip().isdigit() and \
+            1 <= int(answer) <= len(options) else (reject[0] if reject else None)
+
+    def on_notification(self, method: str, params: dict) -> None:
+        if method != "session/update" or not isinstance(params.get("update"), dict):
+            return
+        update = params["update"]
+        self.updates.append(update)
+        if self.on_update:
+            self.on_update(update)
+        self.render(update)
+
+    def say(self, text: str) -> None:
+        if self.out is not None:
+            self.out.write(text)
+            self.out.flush()
+
+    def render(self, update: dict) -> None:
+        kind = update.get("sessionUpdate")
+        content = update.get("content") if isinstance(update.get("content"), dict) else {}
+        if kind == "agent_message_chunk" and content.get("type") == "text":
+            text = content.get("text", "")
+            self.error_seen |= text.lstrip().startswith("[error]") or "\n[error]" in text
+            self.say(text)
+            self._line_open = not text.endswith("\n")
+        elif kind == "agent_thought_chunk" and content.get("type") == "text":
+            self.say(content.get("text", ""))
+        elif kind == "tool_call":
+            self.say(("\n" if self._line_open else "") +
+                     f"-> {update.get('title')}  [{update.get('kind', 'other')}]\n")
+            self._line_open = False
+        elif kind == "tool_call_update" and update.get("status") in ("completed", "failed"):
+            mark = "ok" if update["status"] == "completed" else "failed"
+            texts = [c["content"].get("text", "") for c in update.get("content") or []
+                     if isinstance(c, dict) and c.get("type") == "content"]
+            detail = f": {texts[0].splitlines()[0][:200]}" if texts and texts[0] and \
+                mark == "failed" else ""
+            self.say(f"   {mark}{detail}\n")
+        elif kind == "plan":
+            marks = {"completed": "[x]", "in_progress": "[>]", "pending": "[ ]"}
+            self.say("".join(f"   {marks.get(e.get('status'), '[ ]')} {e.get('content')}\n"
+                             for e in update.get("entries", [])))
+
+    async def run(self, cwd: str, prompt: str, mode: Optional[str] = None,
+                  model: Optional[str] = None) -> int:
+        """initialize, session/new, the mode and model, one prompt: the exit status."""
+        await self.call("initialize", {"protocolVersion": PROTOCOL_VERSION,
+                                       "clientCapabilities": {},
+                                       "clientInfo": {"name": "qcr-client",
+                                                      "version": __version__}})
+        session = await self.call("session/new", {"cwd": cwd, "mcpServers": []})
+        session_id = session["sessionId"]
+        if mode:
+            await self.call("session/set_mode", {"sessionId": session_id, "modeId": mode})
+        if model:
+            await self.call("session/set_config_option", {"sessionId": session_id,
+                                                          "configId": "model", "value": model})
+        loop = asyncio.get_running_loop()
+        cancel = lambda: self.conn.notify("session/cancel", {"sessionId": session_id})
+        try:
+            loop.add_signal_handler(signal_number("SIGINT"), cancel)   # Ctrl-C cancels
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass
+        result = await self.call("session/prompt", {"sessionId": session_id, "prompt": [
+            {"type": "text", "text": prompt}]})
+        stop = result.get("stopReason") if isinstance(result, dict) else None
+        self.say(("\n" if self._line_open else "") + f"[{stop}]\n")
+        return 0 if stop == "end_turn" and not self.error_seen else 1
+
+
+def signal_number(name: str) -> int:
+    import signal
+    return getattr(signal, name)
+
+
+async def headless(config: Config, prompt: str, mode: Optional[str], model: Optional[str],
+                   yes: bool) -> int:
+    """-p: one prompt, qcr's own Agent in this process, spoken to over ACP frames."""
+    agent = Agent(config)
+    to_agent = asyncio.StreamReader(limit=MAX_FRAME_BYTES)
+    to_client = asyncio.StreamReader(limit=MAX_FRAME_BYTES)
+    agent.conn = Connection(to_client.feed_data, agent.on_request, agent.on_notification)
+    client = Client(out=sys.stdout, yes=yes)
+    serving = asyncio.ensure_future(agent.conn.serve(to_agent))
+    client.connect(to_client, to_agent.feed_data)
+    try:
+        return await client.run(os.getcwd(), prompt, mode, model)
+    except RpcError as e:
+        sys.stderr.write(f"qcr: {e.message}\n")
+        return 2
+    finally:
+        to_agent.feed_eof()
+        await serving
+        await agent.shutdown()
+
+
+async def drive(argv: list, prompt: str, mode: Optional[str], model: Optional[str],
+                yes: bool) -> int:
+    """--client: any ACP agent as a child process, every frame shown on stderr."""
+    import subprocess
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, limit=MAX_FRAME_BYTES)
+    except OSError as e:
+        sys.stderr.write(f"qcr: cannot start {argv[0]}: {e}\n")
+        return 2
+    client = Client(out=sys.stdout, yes=yes, trace=make_trace("-", client=True))
+    client.connect(proc.stdout, proc.stdin.write)
+    try:
+        return await client.run(os.getcwd(), prompt, mode, model)
+    except (RpcError, EOFError, ConnectionError) as e:
+        sys.stderr.write(f"qcr: the agent failed: {getattr(e, 'message', e)}\n")
+        return 2
+    finally:
+        proc.stdin.close()
+        try:
+            await asyncio.wait_for(proc.wait(), 3)
+        except asyncio.TimeoutError:
+            proc.kill()
 
 
 def selftest() -> int:
@@ -3482,8 +3608,8 @@ def selftest() -> int:
     import tempfile
     results: list = []
 
-    def check(name: str, ok: bool, detail: Any = "") -> None:
-        results.append(ok)
+    def check(name: str, ok: Any, detail: Any = "") -> None:
+        results.append(bool(ok))
         sys.stdout.write(f"{'ok  ' if ok else 'FAIL'}  {name}"
                          f"{'' if ok or detail == '' else f'  ({detail})'}\n")
         sys.stdout.flush()
@@ -3495,48 +3621,57 @@ def selftest() -> int:
         write_text(os.path.join(project, "hello.py"), 'print("hello, world")\n')
         env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "QCR_"))}
         env.update(HOME=home, QCR_BASE_URL=model.url, QCR_MODEL="scripted")
-        client = SelftestClient([sys.executable, os.path.abspath(__file__), "--acp"],
-                                env, project)
-        try:
-            selftest_session(client, project, check)
-        except Exception as e:   # a hang or a crash is one more failure, reported
-            check("the session ran to its end", False, f"{type(e).__name__}: {e}")
-        client.proc.stdin.close()
-        try:
-            code = client.proc.wait(timeout=5)
-        except Exception:
-            client.proc.kill()
-            code = None
-        check("stdin EOF: qcr exits with status 0", code == 0, code)
+        asyncio.run(selftest_session(env, project, check))
         sessions = os.path.join(home, ".qcr", "sessions")
         saved = os.listdir(sessions) if os.path.isdir(sessions) else []
         check("the session was saved to ~/.qcr/sessions", len(saved) == 1, saved)
-        check("stdout carried protocol frames only", not client.bad_lines, client.bad_lines[:2])
-        stderr = client.proc.stderr.read().decode("utf-8", "replace")
-        check("stderr stayed quiet", not stderr.strip(), stderr[:300])
     model.close()
     passed = sum(results)
     sys.stdout.write(f"selftest: {passed} passed, {len(results) - passed} failed\n")
     return 0 if passed == len(results) else 1
 
 
-def selftest_session(client: SelftestClient, project: str, check: Callable) -> None:
-    reply, _, _ = client.request("initialize", {
+async def selftest_session(env: dict, project: str, check: Callable) -> None:
+    import subprocess
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, os.path.abspath(__file__), "--acp", cwd=project, env=env,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        limit=MAX_FRAME_BYTES)
+    client = Client(permission=lambda params: "allow_once")
+    serving = client.connect(proc.stdout, proc.stdin.write)
+    try:
+        await asyncio.wait_for(selftest_steps(client, project, check), 30)
+    except Exception as e:      # a hang or a crash is one more failure, reported
+        check("the session ran to its end", False, f"{type(e).__name__}: {e}")
+    proc.stdin.close()
+    try:
+        code = await asyncio.wait_for(proc.wait(), 5)
+    except asyncio.TimeoutError:
+        proc.kill()
+        code = None
+    await asyncio.wait([serving], timeout=2)
+    check("stdin EOF: qcr exits with status 0", code == 0, code)
+    check("stdout carried protocol frames only", client.conn.bad_frames == 0,
+          f"{client.conn.bad_frames} bad lines")
+    stderr = (await proc.stderr.read()).decode("utf-8", "replace")
+    check("stderr stayed quiet", not stderr.strip(), stderr[:300])
+
+
+async def selftest_steps(client: Client, project: str, check: Callable) -> None:
+    result = await client.call("initialize", {
         "protocolVersion": 1, "clientCapabilities": {},
         "clientInfo": {"name": "qcr-selftest", "version": __version__}})
-    result = reply.get("result", {})
-    check("initialize answers protocolVersion 1", result.get("protocolVersion") == 1, reply)
-    reply, _, _ = client.request("session/new", {"cwd": project, "mcpServers": []})
-    result = reply.get("result", {})
+    check("initialize answers protocolVersion 1", result.get("protocolVersion") == 1, result)
+    result = await client.call("session/new", {"cwd": project, "mcpServers": []})
     session_id = result.get("sessionId", "")
     check("session/new gives a session with modes and config options",
-          SESSION_ID_RE.fullmatch(session_id) is not None and "configOptions" in result and
-          result.get("modes", {}).get("currentModeId") == "default", reply)
+          SESSION_ID_RE.fullmatch(session_id) and "configOptions" in result and
+          result.get("modes", {}).get("currentModeId") == "default", result)
 
-    reply, updates, permissions = client.request("session/prompt", {
+    result = await client.call("session/prompt", {
         "sessionId": session_id, "prompt": [{"type": "text", "text": "Greet qcr in hello.py"}]})
-    check("the prompt ends with end_turn", reply.get("result") == {"stopReason": "end_turn"},
-          reply)
+    check("the prompt ends with end_turn", result == {"stopReason": "end_turn"}, result)
+    updates = client.updates
     kinds = [u["sessionUpdate"] for u in updates]
     calls = {u["toolCallId"]: u for u in updates if u["sessionUpdate"] == "tool_call"}
     final = {u["toolCallId"]: u.get("status") for u in updates
@@ -3546,26 +3681,25 @@ def selftest_session(client: SelftestClient, project: str, check: Callable) -> N
           [c["kind"] for c in calls.values()][:2] == ["read", "edit"], list(calls.values()))
     check("every tool call completes", calls and all(final.get(c) == "completed"
                                                      for c in calls), final)
-    check("the edit asked for permission, showing the diff", len(permissions) == 1 and
-          permissions[0]["toolCall"]["content"][0]["type"] == "diff", permissions)
+    check("the edit asked for permission, showing the diff", len(client.permissions) == 1 and
+          client.permissions[0]["toolCall"]["content"][0]["type"] == "diff", client.permissions)
     with open(os.path.join(project, "hello.py"), encoding="utf-8") as f:
         check("hello.py was edited on disk", f.read() == 'print("hello, qcr")\n')
     plans = [u for u in updates if u["sessionUpdate"] == "plan"]
     check("the to-do list arrives as a plan", plans and len(plans[-1]["entries"]) == 2, plans)
 
-    started = []
+    started: list = []
 
     def cancel_on_first_chunk(update: dict) -> None:
         if update["sessionUpdate"] == "agent_message_chunk" and not started:
             started.append(time.monotonic())
-            client.send({"jsonrpc": "2.0", "method": "session/cancel",
-                         "params": {"sessionId": session_id}})
-    reply, _, _ = client.request("session/prompt", {
-        "sessionId": session_id, "prompt": [{"type": "text", "text": "Talk slowly"}]},
-        on_update=cancel_on_first_chunk)
+            client.conn.notify("session/cancel", {"sessionId": session_id})
+    client.on_update = cancel_on_first_chunk
+    result = await client.call("session/prompt", {
+        "sessionId": session_id, "prompt": [{"type": "text", "text": "Talk slowly"}]})
     elapsed = time.monotonic() - started[0] if started else None
     check("session/cancel ends a streaming turn with cancelled",
-          reply.get("result") == {"stopReason": "cancelled"}, reply)
+          result == {"stopReason": "cancelled"}, result)
     check("the cancel was answered within 200 ms", elapsed is not None and elapsed < 0.2,
           f"{elapsed}s")
 
@@ -3574,13 +3708,16 @@ def selftest_session(client: SelftestClient, project: str, check: Callable) -> N
 # 9. CLI
 # =============================================================================================
 
-def make_trace(target: Optional[str]) -> Optional[Callable[[str, bytes], None]]:
-    """--trace: every frame, both ways, with a timestamp; "->" is in, "<-" is out."""
+def make_trace(target: Optional[str], client: bool = False) -> Optional[Callable]:
+    """--trace: every frame, both ways, with a timestamp. "->" is editor to agent, "<-" agent
+    to editor, on either side of the connection."""
     if target is None:
         return None
     stream = sys.stderr if target == "-" else open(target, "a", encoding="utf-8")
 
     def trace(direction: str, frame: bytes) -> None:
+        if client:
+            direction = "->" if direction == "<-" else "<-"
         now = time.time()
         stamp = time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now * 1000) % 1000:03d}"
         stream.write(f"{stamp} {direction} {frame.decode('utf-8', 'replace').rstrip()}\n")
@@ -3640,6 +3777,9 @@ def serve_acp(config: Config, trace: Optional[str]) -> int:
 
 def main(argv: Optional[list] = None) -> int:
     import argparse
+    argv = sys.argv[1:] if argv is None else list(argv)
+    agent_argv = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(
         prog="qcr.py", description="A coding agent for editors that speak the Agent Client "
         "Protocol (Zed, JetBrains, Neovim, Emacs).",
@@ -3652,6 +3792,15 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--config", metavar="FILE", help="read settings from this JSON file")
     parser.add_argument("--trace", nargs="?", const="-", metavar="FILE",
                         help="log every frame in both directions to FILE (default: stderr)")
+    parser.add_argument("-p", "--prompt", metavar="TEXT",
+                        help="run one prompt here, without an editor, and print the result")
+    parser.add_argument("--mode", choices=MODE_IDS, help="with -p: the session's mode")
+    parser.add_argument("--model", help="with -p: the model")
+    parser.add_argument("--yes", action="store_true",
+                        help="with -p: allow every permission request once, without asking")
+    parser.add_argument("--client", action="store_true",
+                        help="with -p: drive the ACP agent given after -- (e.g. -- python3 "
+                             "qcr.py --acp) and show every frame on stderr")
     parser.add_argument("--version", action="version", version=f"qcr {__version__}")
     parser.add_argument("--search-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -3661,6 +3810,13 @@ def main(argv: Optional[list] = None) -> int:
         return selftest()
     if args.acp:
         return serve_acp(load_config(args.config), args.trace)
+    if args.client:
+        if not agent_argv or not args.prompt:
+            parser.error("--client needs -p TEXT and the agent's command after --")
+        return asyncio.run(drive(agent_argv, args.prompt, args.mode, args.model, args.yes))
+    if args.prompt:
+        config = load_config(args.config)
+        return asyncio.run(headless(config, args.prompt, args.mode, args.model, args.yes))
     parser.print_help()
     return 0
 
