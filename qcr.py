@@ -160,11 +160,14 @@ LONE_SURROGATE = re.compile(r"\\ud[89ab][0-9a-f]{2}(?!\\ud[c-f])|"
                             r"(?<!\\ud[89ab][0-9a-f]{2})\\ud[c-f][0-9a-f]{2}")
 
 
+COMPACT = json.JSONEncoder(separators=(",", ":"))    # one encoder, not one per frame
+
+
 def encode_frame(message: dict) -> bytes:
     """One message as one line. ASCII-only JSON cannot contain a raw newline or U+2028."""
-    text = json.dumps(message, separators=(",", ":"))
+    text = COMPACT.encode(message)
     if "\\ud" in text and LONE_SURROGATE.search(text):   # strict parsers (serde) reject these
-        text = json.dumps(without_surrogates(message), separators=(",", ":"))
+        text = COMPACT.encode(without_surrogates(message))
     return text.encode("ascii") + b"\n"
 
 
@@ -1326,11 +1329,25 @@ class HttpStream:
         self.aborted = False
 
     def start(self, queue: asyncio.Queue) -> None:
+        """Read in a thread; items reach `queue` as lists: one loop wake-up per batch."""
         loop = asyncio.get_running_loop()
+        batch: list = []
+        lock = threading.Lock()
+
+        def deliver() -> None:
+            with lock:
+                items = batch[:]
+                batch.clear()
+            queue.put_nowait(items)
 
         def put(kind: str, item: Any) -> None:
-            if not self.aborted:
-                loop.call_soon_threadsafe(queue.put_nowait, (kind, item))
+            if self.aborted:
+                return
+            with lock:
+                batch.append((kind, item))
+                first = len(batch) == 1
+            if first:       # a wake-up is due only when the batch was empty
+                loop.call_soon_threadsafe(deliver)
         threading.Thread(target=self._run, args=(put,), daemon=True, name="qcr-http").start()
 
     def _run(self, put: Callable) -> None:
@@ -1425,23 +1442,28 @@ class OpenAIProvider:
         queue: asyncio.Queue = asyncio.Queue()
         call.start(queue)
         try:
-            while True:
-                kind, item = await queue.get()
-                if kind == "data":
-                    self.apply_chunk(item, reply, emit)
-                elif kind == "whole":
-                    self.apply_whole(item, reply, emit)
-                    break
-                elif kind == "error":
-                    raise item
-                else:
-                    if not item and not reply.finish:
-                        raise ProviderError("the model stream ended before the reply was "
-                                            "complete (the connection dropped); try again.")
-                    break
+            while not self.consume(await queue.get(), reply, emit):
+                pass
         finally:
             call.abort()
         return reply
+
+    def consume(self, items: list, reply: Reply, emit: Callable) -> bool:
+        """Apply a batch of stream items; True once the reply is complete."""
+        for kind, item in items:
+            if kind == "data":
+                self.apply_chunk(item, reply, emit)
+            elif kind == "whole":
+                self.apply_whole(item, reply, emit)
+                return True
+            elif kind == "error":
+                raise item
+            else:
+                if not item and not reply.finish:
+                    raise ProviderError("the model stream ended before the reply was "
+                                        "complete (the connection dropped); try again.")
+                return True
+        return False
 
     def apply_chunk(self, chunk: Any, reply: Reply, emit: Callable) -> None:
         if not isinstance(chunk, dict):
@@ -2148,9 +2170,9 @@ def walk_files(root: str) -> list:
             ["git", "-C", root, "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             timeout=30)
-        if listed.returncode == 0:
+        if listed.returncode == 0:     # (a tracked file deleted since may be listed)
             names = listed.stdout.decode("utf-8", "replace").split("\0")
-            return sorted({n for n in names if n and os.path.isfile(os.path.join(root, n))})
+            return sorted(set(names) - {""})
     except (OSError, subprocess.SubprocessError):
         pass
     rules = gitignore_rules(root)
@@ -2227,7 +2249,8 @@ async def glob(ctx: ToolContext, pattern: str, path: str = "."):
     if not os.path.isdir(root):
         raise ToolError(f"no such folder: {root}")
     match = glob_matcher(pattern)
-    files = [f for f in await asyncio.to_thread(walk_files, root) if match(f)]
+    files = [f for f in await asyncio.to_thread(walk_files, root)
+             if match(f) and os.path.isfile(os.path.join(root, f))]
     shown = [ctx.display(os.path.join(root, f)) for f in files[:LIST_LIMIT]]
     if len(files) > LIST_LIMIT:
         shown.append(f"[{len(files) - LIST_LIMIT} more files; narrow the pattern]")
@@ -3347,8 +3370,9 @@ class FakeModel:
     """An OpenAI-compatible chat server on 127.0.0.1 that answers from a script.
 
     `respond(body)` gets each request's JSON body and returns either a list of steps --
-    bytes are written and flushed, a float pauses that many seconds, "drop" cuts the
-    connection -- or a (status, JSON body) pair for an HTTP error.
+    bytes (or a function returning bytes, called as it is written) are written and flushed,
+    a float pauses that many seconds, "drop" cuts the connection -- or a (status, JSON body)
+    pair for an HTTP error.
     """
 
     def __init__(self, respond: Callable[[dict], Any]):
@@ -3402,7 +3426,7 @@ class FakeModel:
                 if isinstance(step, float):
                     time.sleep(step)
                 else:
-                    handler.wfile.write(step)
+                    handler.wfile.write(step() if callable(step) else step)
                     handler.wfile.flush()
         except OSError:      # the client went away (a cancelled turn)
             self.disconnects += 1
@@ -3755,22 +3779,37 @@ async def serve(config: Config, write: Callable[[bytes], None], trace: Any) -> N
 
 def serve_acp(config: Config, trace: Optional[str]) -> int:
     """--acp: protocol frames on the real stdout; everything else is kept off it."""
-    frames = os.fdopen(os.dup(1), "wb")
+    frames = os.fdopen(os.dup(1), "wb", buffering=1 << 20)
     os.dup2(2, 1)                # a stray print, or a child's output, lands on stderr
     sys.stdout = sys.stderr
-    broken = []
-
-    def write(data: bytes) -> None:
-        if not broken:
-            try:
-                frames.write(data)
-                frames.flush()
-            except OSError:      # the client closed our stdout; keep going quietly
-                broken.append(True)
-
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
+    state = {"broken": False, "flush_due": False}
+
+    def flush() -> None:
+        state["flush_due"] = False
+        if not state["broken"]:
+            try:
+                frames.flush()
+            except OSError:      # the client closed our stdout; keep going quietly
+                state["broken"] = True
+
+    def write(data: bytes) -> None:
+        """Frames are buffered and flushed once the loop has run what is ready: a burst of
+        chunks costs one write(2), and no frame waits longer than one loop iteration."""
+        if state["broken"]:
+            return
+        try:
+            frames.write(data)
+        except OSError:
+            state["broken"] = True
+            return
+        if not state["flush_due"]:
+            state["flush_due"] = True
+            loop.call_soon(flush)
+
     loop.run_until_complete(serve(config, write, make_trace(trace)))
+    flush()
     sys.stderr.flush()
     os._exit(0)     # threads blocked in reads must not hold the exit up
 

@@ -1739,9 +1739,12 @@ class FakeEditor:
                                 cwd=params.get("cwd"), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         terminal = {"proc": proc, "output": bytearray(), "released": False}
-        threading.Thread(target=lambda: [terminal["output"].extend(chunk)
-                                         for chunk in iter(lambda: proc.stdout.read1(4096), b"")],
-                         daemon=True).start()
+
+        def read():
+            for chunk in iter(lambda: proc.stdout.read1(4096), b""):
+                terminal["output"].extend(chunk)
+            proc.stdout.close()
+        threading.Thread(target=read, daemon=True).start()
         terminal_id = f"term-{len(self.terminals)}"
         self.terminals[terminal_id] = terminal
         return {"terminalId": terminal_id}
@@ -1783,6 +1786,12 @@ class FakeEditor:
         self.terminals[params["terminalId"]]["released"] = True
         return {}
 
+    def close(self):
+        for terminal in self.terminals.values():
+            if terminal["proc"].poll() is None:
+                os.killpg(terminal["proc"].pid, signal.SIGKILL)
+                terminal["proc"].wait()
+
 
 class TestEditorIntegration(AcpTestCase):
     def editor_session(self, agent, capabilities=FakeEditor.CAPABILITIES, **kw):
@@ -1790,6 +1799,7 @@ class TestEditorIntegration(AcpTestCase):
         if "dirs" in kw:
             params["additionalDirectories"] = kw.pop("dirs")
         editor = FakeEditor(agent, self.project, **kw)
+        self.addCleanup(editor.close)
         response, _, _ = agent.call("initialize", {"protocolVersion": 1,
                                                    "clientCapabilities": capabilities})
         response, _, _ = agent.call("session/new", params)
@@ -2433,8 +2443,8 @@ class TestWireFuzzing(AcpTestCase):
             choice = rng.randrange(12)
             value = rng.choice(junk)
             if choice == 0:
-                frames.append(bytes(rng.randrange(256) for _ in range(rng.randrange(1, 40)))
-                              .replace(b"\n", b" ") + b"}")
+                junk_line = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 40)))
+                frames.append(junk_line.replace(b"\n", b" ") + b"\x00}")   # never JSON
                 expected.setdefault("parse", 0)
                 expected["parse"] += 1
             elif choice == 1:
@@ -2477,7 +2487,8 @@ class TestWireFuzzing(AcpTestCase):
         frames += [b"[" * 50000 + b"]" * 50000, b'{"a":' * 5000 + b"1" + b"}" * 5000,
                    b'{"jsonrpc":"2.0","id":"big","method":"initialize","params":{'
                    b'"protocolVersion":1,"clientInfo":{"name":"' + b"n" * (4 << 20) + b'"}}}']
-        expected["parse"] = expected.get("parse", 0) + 2
+        expected["parse"] = expected.get("parse", 0) + 2   # (the deep object: -32700 where
+        # json hits its recursion limit, -32600 for a non-request object where it does not)
         expected[json.dumps("big")] = None
         agent.send_raw(b"\n".join(frames) + b"\n")
 
@@ -2488,7 +2499,7 @@ class TestWireFuzzing(AcpTestCase):
             frame = agent.recv(timeout=20)
             got += 1
             if frame["id"] is None:
-                self.assertEqual(frame["error"]["code"], qcr.PARSE_ERROR, frame)
+                self.assertIn(frame["error"]["code"], (qcr.PARSE_ERROR, qcr.INVALID_REQUEST))
                 parse_errors += 1
                 continue
             key = json.dumps(frame["id"])
@@ -2635,5 +2646,283 @@ class TestReadme(unittest.TestCase):
                     self.assertIn("sessionUpdate", frame["params"]["update"])
 
 
+# =============================================================================================
+# Benchmark: python3 test_qcr.py --bench (reports; tests never assert timings)
+# =============================================================================================
+
+def median(values):
+    values = sorted(values)
+    return values[len(values) // 2]
+
+
+def percentile(values, share):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(len(values) * share))]
+
+
+class Bench:
+    """Each measurement against its target, printed as a table."""
+
+    def __init__(self):
+        self.rows = []
+        self.tmp = tempfile.mkdtemp(prefix="qcr-bench-")
+        self.home = os.path.join(self.tmp, "home")
+        self.project = os.path.join(self.tmp, "project")
+        os.makedirs(self.home)
+        os.makedirs(self.project)
+
+    def row(self, what, measured, target, met):
+        self.rows.append((what, measured, target, "yes" if met else "NO"))
+        sys.stdout.write(f"  {what}: {measured}  (target {target})\n")
+        sys.stdout.flush()
+
+    def agent(self, model=None, args=(), env=None):
+        environ = dict(env or {})
+        if model:
+            environ.update(QCR_BASE_URL=model.url, QCR_MODEL="bench")
+        return AcpProcess(self.home, self.project, environ, args)
+
+    def session(self, agent):
+        agent.call("initialize", {"protocolVersion": 1})
+        response, _, _ = agent.call("session/new", {"cwd": self.project, "mcpServers": []})
+        agent.recv()
+        return response["result"]["sessionId"]
+
+    def startup(self):
+        def spawn_to_answer(argv):
+            start = time.perf_counter()
+            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.DEVNULL, cwd=self.project,
+                                    env=dict(os.environ, HOME=self.home))
+            proc.stdin.write(b'{"jsonrpc":"2.0","id":1,"method":"initialize",'
+                             b'"params":{"protocolVersion":1}}\n')
+            proc.stdin.flush()
+            proc.stdout.readline()
+            elapsed = time.perf_counter() - start
+            proc.stdin.close()
+            proc.wait()
+            return elapsed
+
+        def bare(flags):
+            start = time.perf_counter()
+            subprocess.run([sys.executable, *flags, "-c", "pass"], check=True)
+            return time.perf_counter() - start
+        results = {}
+        for label, flags in (("python3", []), ("python3 -I -S", ["-I", "-S"])):
+            plain = median([bare(flags) for _ in range(11)])
+            qcr_start = median([spawn_to_answer([sys.executable, *flags, QCR, "--acp"])
+                                for _ in range(11)])
+            results[label] = qcr_start
+            self.row(f"start-up: spawn to initialize answer ({label} qcr.py)",
+                     f"{qcr_start * 1000:.0f} ms",
+                     f"<= 1.5 x bare interpreter ({plain * 1000:.0f} ms) = "
+                     f"{1.5 * plain * 1000:.0f} ms", qcr_start <= 1.5 * plain)
+        faster = min(results, key=results.get)
+        sys.stdout.write(f"  -> faster start-up: {faster}\n")
+        cached = median([spawn_to_answer([sys.executable, "-I", "-S", "-c", "import sys; "
+                                          f"sys.path.insert(0, {HERE!r}); import qcr; "
+                                          "sys.exit(qcr.main())", "--acp"])
+                         for _ in range(11)])
+        self.row("  for comparison: imported from cached bytecode (not a supported launch)",
+                 f"{cached * 1000:.0f} ms", "reported", True)
+
+    def rss(self):
+        for name in ("a.py", "b.py"):
+            with open(os.path.join(self.project, name), "w") as f:
+                f.write("def f():\n    return 1\n" * 200)
+        model = qcr.FakeModel(Script(calls(("LS", {})), calls(("ReadFile", {"path": "a.py"})),
+                                     calls(("Grep", {"pattern": "return"})),
+                                     calls(("EditFile", {"path": "b.py", "old_string":
+                                                         "return 1", "new_string": "return 2",
+                                                         "replace_all": True})),
+                                     calls(("Shell", {"command": "ls"})),
+                                     scripted_reply("done")))
+        agent = self.agent(model, env={"QCR_MODE": ""})
+        session_id = self.session(agent)
+        agent.call("session/set_mode", {"sessionId": session_id, "modeId": "yolo"})
+        agent.call("session/prompt", {"sessionId": session_id, "prompt": [
+            {"type": "text", "text": "work"}]})
+        with open(f"/proc/{agent.proc.pid}/status") as f:
+            peak = [int(line.split()[1]) for line in f if line.startswith("VmHWM")][0]
+        agent.close()
+        model.close()
+        self.row("peak RSS through a tool-using turn", f"{peak / 1024:.1f} MiB", "< 30 MiB",
+                 peak < 30 * 1024)
+
+    def relay(self):
+        count = 20_000
+        stream = [sse(completion_chunk({"content": "x"})) for _ in range(count)]
+        model = qcr.FakeModel(Script([b"".join(stream)] + scripted_reply("")))
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "QCR_"))}
+        env.update(HOME=self.home, QCR_BASE_URL=model.url, QCR_MODEL="bench")
+        proc = subprocess.Popen([sys.executable, QCR, "--acp"], cwd=self.project, env=env,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+        def send(message):
+            proc.stdin.write(json.dumps(message).encode() + b"\n")
+            proc.stdin.flush()
+
+        def until(request_id):      # raw lines: the reader must not be the bottleneck
+            marker = f'"id":{request_id},'.encode()
+            seen, first = 0, None
+            for line in proc.stdout:
+                if b'"agent_message_chunk"' in line:
+                    first = first or time.perf_counter()
+                    seen += 1
+                elif marker in line and b'"method"' not in line:
+                    return line, seen, first
+        send({"jsonrpc": "2.0", "id": 1, "method": "initialize",
+              "params": {"protocolVersion": 1}})
+        until(1)
+        send({"jsonrpc": "2.0", "id": 2, "method": "session/new",
+              "params": {"cwd": self.project, "mcpServers": []}})
+        session_id = json.loads(until(2)[0])["result"]["sessionId"]
+        send({"jsonrpc": "2.0", "id": 3, "method": "session/prompt", "params": {
+            "sessionId": session_id, "prompt": [{"type": "text", "text": "stream"}]}})
+        _, seen, first = until(3)
+        rate = seen / (time.perf_counter() - first)
+        proc.stdin.close()
+        proc.wait()
+        model.close()
+        self.row(f"chunks relayed per second ({count:,}-chunk stream)", f"{rate:,.0f}/s",
+                 ">= 20,000/s", rate >= 20_000)
+
+        def stamped():
+            return sse(completion_chunk({"content": f"{time.monotonic():.9f} "}))
+        paced = [stamped, 0.001] * 2000
+        model = qcr.FakeModel(Script(paced + scripted_reply("")))
+        agent = self.agent(model)
+        session_id = self.session(agent)
+        request_id = agent.request("session/prompt", {"sessionId": session_id, "prompt": [
+            {"type": "text", "text": "paced"}]})
+        delays = []
+        while True:
+            frame = agent.recv(timeout=60)
+            update = frame.get("params", {}).get("update", {})
+            if update.get("sessionUpdate") == "agent_message_chunk":
+                text = update["content"]["text"].strip()
+                if text:
+                    delays.append(time.monotonic() - float(text))
+            if frame.get("id") == request_id:
+                break
+        agent.close()
+        model.close()
+        self.row("added latency per chunk, model write to client read (median / p99)",
+                 f"{median(delays) * 1000:.2f} / {percentile(delays, 0.99) * 1000:.2f} ms",
+                 "p99 < 2 ms", percentile(delays, 0.99) < 0.002)
+
+    def cancel(self):
+        for label, reply, marker in (
+                ("mid-stream", slow_reply(), "agent_message_chunk"),
+                ("mid-shell", calls(("Shell", {"command": "sleep 30"})), "in_progress")):
+            latencies = []
+            for _ in range(5):
+                model = qcr.FakeModel(Script(reply, scripted_reply("ok")))
+                agent = self.agent(model)
+                session_id = self.session(agent)
+                agent.call("session/set_mode", {"sessionId": session_id, "modeId": "yolo"})
+                request_id = agent.request("session/prompt", {"sessionId": session_id,
+                                                              "prompt": [{"type": "text",
+                                                                          "text": "go"}]})
+                while True:
+                    update = agent.recv().get("params", {}).get("update", {})
+                    if update.get("sessionUpdate") == marker or update.get("status") == marker:
+                        break
+                time.sleep(0.1)
+                start = time.perf_counter()
+                agent.notify("session/cancel", {"sessionId": session_id})
+                while agent.recv().get("id") != request_id:
+                    pass
+                latencies.append(time.perf_counter() - start)
+                agent.close()
+                model.close()
+            self.row(f"cancel to cancelled answer, {label} (median of 5)",
+                     f"{median(latencies) * 1000:.1f} ms", "< 100 ms", median(latencies) < 0.1)
+
+    def search(self):
+        tree = os.path.join(self.tmp, "tree")
+        for i in range(20_000):
+            folder = os.path.join(tree, f"pkg{i // 100}", f"mod{i // 20 % 5}")
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, f"file{i}.py"), "w") as f:
+                f.write(f"import os\n\ndef function_{i}():\n    return {i}\n" +
+                        ("# needle here\n" if i % 97 == 0 else ""))
+
+        def timed(fn, n=3):
+            times = []
+            for _ in range(n):
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+            return median(times)
+        request = json.dumps({"root": tree, "pattern": "needle", "ignoreCase": False,
+                              "glob": None, "limit": 1000}).encode()
+        grep = timed(lambda: subprocess.run([sys.executable, "-I", "-S", QCR, "--search-worker"],
+                                            input=request, capture_output=True, check=True))
+        rg = shutil.which("rg")
+        if rg:
+            reference = timed(lambda: subprocess.run([rg, "-n", "needle", tree],
+                                                     capture_output=True))
+            self.row("Grep over 20,000 files", f"{grep * 1000:.0f} ms",
+                     f"<= 2 x rg ({reference * 1000:.0f} ms)", grep <= 2 * reference)
+        else:
+            self.row("Grep over 20,000 files", f"{grep * 1000:.0f} ms",
+                     "<= 2 x rg (rg is not installed here)", True)
+        walk = timed(lambda: qcr.walk_files(tree))
+        self.row("Glob walk over 20,000 files (no git repository)", f"{walk * 1000:.0f} ms",
+                 "reported", True)
+        if shutil.which("git"):
+            subprocess.run(["git", "init", "-q", tree], check=True)
+            listed = timed(lambda: subprocess.run(["git", "-C", tree, "ls-files", "-co",
+                                                   "--exclude-standard"], capture_output=True))
+            walk = timed(lambda: qcr.walk_files(tree))
+            self.row("Glob walk over 20,000 files in a git repository", f"{walk * 1000:.0f} ms",
+                     f"<= 2 x git ls-files ({listed * 1000:.0f} ms)", walk <= 2 * listed)
+
+    def save(self):
+        session = qcr.Session(id="acp-" + "a" * 16 + "-" + "b" * 16, cwd=self.project)
+        for i in range(500):
+            session.messages.append({"role": "user", "content": f"question {i} " * 20})
+            session.messages.append({"role": "assistant", "content": f"answer {i} " * 40})
+            session.record(qcr.message_chunk("agent_message_chunk", f"answer {i} " * 40))
+        store = qcr.SessionStore(os.path.join(self.home, ".qcr", "sessions"))
+        path = store.path(session.id)
+        on_loop, total = [], []
+        for _ in range(20):
+            start = time.perf_counter()
+            snapshot = session.to_json()
+            on_loop.append(time.perf_counter() - start)
+            store._write(path, snapshot)
+            total.append(time.perf_counter() - start)
+        self.row("saving a 1,000-message session (write, fsync, rename; median)",
+                 f"{median(total) * 1000:.1f} ms", "< 50 ms", median(total) < 0.05)
+        self.row("  of which on the event loop (the snapshot)",
+                 f"{median(on_loop) * 1000:.2f} ms", "the rest off the loop", True)
+
+    def run(self):
+        sys.stdout.write(f"qcr {qcr.__version__} benchmark, Python {sys.version.split()[0]}, "
+                         f"{os.cpu_count()} cores\n")
+        try:
+            for part in (self.startup, self.rss, self.relay, self.cancel, self.search, self.save):
+                try:
+                    part()
+                except Exception as e:     # one broken measurement does not hide the others
+                    self.row(part.__name__, f"failed: {type(e).__name__}: {e}", "-", False)
+        finally:
+            shutil.rmtree(self.tmp, True)
+        widths = [max(len(r[i]) for r in self.rows + [("what", "measured", "target", "met")])
+                  for i in range(4)]
+        line = "  ".join("{:<%d}" % w for w in widths)
+        sys.stdout.write("\n" + line.format("what", "measured", "target", "met") + "\n")
+        sys.stdout.write(line.format(*("-" * w for w in widths)) + "\n")
+        for r in self.rows:
+            sys.stdout.write(line.format(*r) + "\n")
+        missed = [r for r in self.rows if r[3] == "NO"]
+        sys.stdout.write(f"\n{len(self.rows) - len(missed)} of {len(self.rows)} targets met\n")
+        return 0
+
+
 if __name__ == "__main__":
+    if "--bench" in sys.argv:
+        sys.exit(Bench().run())
     unittest.main(verbosity=1)
