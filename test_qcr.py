@@ -2345,6 +2345,14 @@ except ImportError:
     official_sdk = None
 
 
+class TestProofTools(unittest.TestCase):
+    @unittest.skipUnless(os.environ.get("QCR_REQUIRE_PROOF") == "1", "not the proof run")
+    def test_the_proof_run_has_its_tools(self):
+        """.ci/run's proof run must check, not skip: the SDK and the schema are there."""
+        self.assertIsNotNone(official_sdk, "agent-client-protocol is not importable")
+        self.assertIsNotNone(SCHEMA, "QCR_ACP_SCHEMA or jsonschema is missing")
+
+
 @unittest.skipIf(official_sdk is None, "the official ACP SDK (agent-client-protocol) is absent")
 class TestOfficialSdkClient(AcpTestCase):
     """qcr as the official Python SDK's ClientSideConnection sees it."""
