@@ -2757,64 +2757,58 @@ class Bench:
         self.row("peak RSS through a tool-using turn", f"{peak / 1024:.1f} MiB", "< 30 MiB",
                  peak < 30 * 1024)
 
-    def relay(self):
-        count = 20_000
-        stream = [sse(completion_chunk({"content": "x"})) for _ in range(count)]
-        model = qcr.FakeModel(Script([b"".join(stream)] + scripted_reply("")))
+    def raw_prompt(self, model, on_line):
+        """One prompt to a bare `qcr.py --acp`, its stdout read raw (no harness thread in the
+        way): on_line(line) for every line until the prompt's answer."""
         env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "QCR_"))}
         env.update(HOME=self.home, QCR_BASE_URL=model.url, QCR_MODEL="bench")
         proc = subprocess.Popen([sys.executable, QCR, "--acp"], cwd=self.project, env=env,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 
-        def send(message):
-            proc.stdin.write(json.dumps(message).encode() + b"\n")
+        def call(request_id, method, params, watch=None):
+            proc.stdin.write(json.dumps({"jsonrpc": "2.0", "id": request_id, "method": method,
+                                         "params": params}).encode() + b"\n")
             proc.stdin.flush()
-
-        def until(request_id):      # raw lines: the reader must not be the bottleneck
             marker = f'"id":{request_id},'.encode()
-            seen, first = 0, None
             for line in proc.stdout:
-                if b'"agent_message_chunk"' in line:
-                    first = first or time.perf_counter()
-                    seen += 1
-                elif marker in line and b'"method"' not in line:
-                    return line, seen, first
-        send({"jsonrpc": "2.0", "id": 1, "method": "initialize",
-              "params": {"protocolVersion": 1}})
-        until(1)
-        send({"jsonrpc": "2.0", "id": 2, "method": "session/new",
-              "params": {"cwd": self.project, "mcpServers": []}})
-        session_id = json.loads(until(2)[0])["result"]["sessionId"]
-        send({"jsonrpc": "2.0", "id": 3, "method": "session/prompt", "params": {
-            "sessionId": session_id, "prompt": [{"type": "text", "text": "stream"}]}})
-        _, seen, first = until(3)
-        rate = seen / (time.perf_counter() - first)
+                if marker in line and b'"method"' not in line:
+                    return json.loads(line)
+                if watch:
+                    watch(line)
+        call(1, "initialize", {"protocolVersion": 1})
+        session_id = call(2, "session/new", {"cwd": self.project,
+                                             "mcpServers": []})["result"]["sessionId"]
+        call(3, "session/prompt", {"sessionId": session_id, "prompt": [
+            {"type": "text", "text": "go"}]}, on_line)
         proc.stdin.close()
         proc.wait()
         model.close()
+
+    def relay(self):
+        count = 20_000
+        stream = [sse(completion_chunk({"content": "x"})) for _ in range(count)]
+        seen = []
+
+        def count_chunk(line):
+            if b'"agent_message_chunk"' in line:
+                seen.append(time.perf_counter())
+        self.raw_prompt(qcr.FakeModel(Script([b"".join(stream)] + scripted_reply(""))),
+                        count_chunk)
+        rate = len(seen) / (seen[-1] - seen[0])
         self.row(f"chunks relayed per second ({count:,}-chunk stream)", f"{rate:,.0f}/s",
                  ">= 20,000/s", rate >= 20_000)
 
         def stamped():
             return sse(completion_chunk({"content": f"{time.monotonic():.9f} "}))
-        paced = [stamped, 0.001] * 2000
-        model = qcr.FakeModel(Script(paced + scripted_reply("")))
-        agent = self.agent(model)
-        session_id = self.session(agent)
-        request_id = agent.request("session/prompt", {"sessionId": session_id, "prompt": [
-            {"type": "text", "text": "paced"}]})
         delays = []
-        while True:
-            frame = agent.recv(timeout=60)
-            update = frame.get("params", {}).get("update", {})
-            if update.get("sessionUpdate") == "agent_message_chunk":
-                text = update["content"]["text"].strip()
+
+        def delay(line):
+            if b'"agent_message_chunk"' in line:
+                text = json.loads(line)["params"]["update"]["content"]["text"].strip()
                 if text:
                     delays.append(time.monotonic() - float(text))
-            if frame.get("id") == request_id:
-                break
-        agent.close()
-        model.close()
+        self.raw_prompt(qcr.FakeModel(Script([stamped, 0.001] * 2000 + scripted_reply(""))),
+                        delay)
         self.row("added latency per chunk, model write to client read (median / p99)",
                  f"{median(delays) * 1000:.2f} / {percentile(delays, 0.99) * 1000:.2f} ms",
                  "p99 < 2 ms", percentile(delays, 0.99) < 0.002)
