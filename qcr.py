@@ -1215,32 +1215,43 @@ class SessionStore:
 
 
 # =============================================================================================
-# 4. Providers: streaming chat completions from an OpenAI-compatible server
+# 4. Providers: streaming replies from a model server
 # =============================================================================================
 #
-# qcr POSTs to {baseUrl}/chat/completions with "stream": true and reads server-sent events:
+# Two wire formats cover nearly every model. OpenAI's chat completions -- spoken by OpenAI,
+# Ollama, llama.cpp, vLLM, LM Studio, OpenRouter, Gemini's compatible endpoint -- stream
+# server-sent events like these:
 #
 #   data: {"choices":[{"index":0,"delta":{"content":"Hel"}}]}
 #   data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_1",
 #          "function":{"name":"ReadFile","arguments":"{\"pa"}}]}}]}
 #   data: [DONE]
 #
-# urllib blocks, so each request runs in a daemon thread that feeds an asyncio queue; the
-# agent loop consumes the queue and streams each delta to the client as it arrives. Cancel
-# shuts the socket down, which ends the thread's blocking read at once.
+# Anthropic's Messages API streams typed events (content_block_start, content_block_delta,
+# message_delta, ...). Messages are kept in one canonical shape (OpenAI's) and each provider
+# converts at its edge. urllib blocks, so each request runs in a daemon thread that feeds an
+# asyncio queue; the agent loop streams every delta to the client as it arrives. Cancel shuts
+# the socket down, which ends the thread's blocking read at once. Busy servers (429, 5xx) and
+# failed connections are retried with backoff -- but only before the first byte of a reply.
 
 class ProviderError(Exception):
-    """The model call failed; the message says what happened and how to fix it."""
+    """The model call failed; the message says what happened and how to fix it.
 
-    def __init__(self, message: str, status: Optional[int] = None):
+    `retry` marks failures worth another try (busy server, lost connection) when nothing
+    of the reply has arrived yet; `retry_after` is the server's own advice, in seconds.
+    """
+
+    def __init__(self, message: str, status: Optional[int] = None, retry: bool = False,
+                 retry_after: Optional[float] = None):
         super().__init__(message)
-        self.status = status
+        self.status, self.retry, self.retry_after = status, retry, retry_after
 
 
 NOT_CONFIGURED = ("no model is configured. Point qcr at an OpenAI-compatible server: set "
                   "OPENAI_BASE_URL (e.g. http://127.0.0.1:11434/v1 for Ollama) and "
-                  "OPENAI_MODEL, plus OPENAI_API_KEY for a hosted API -- in the agent's \"env\" "
-                  "in your editor settings, or in ~/.qcr/config.json (see the README).")
+                  "OPENAI_MODEL, plus OPENAI_API_KEY for a hosted API -- or ANTHROPIC_API_KEY "
+                  "-- in the agent's \"env\" in your editor settings, or in ~/.qcr/config.json "
+                  "(see the README), or run `python3 qcr.py --login`.")
 
 
 def parse_sse(lines) -> Any:
@@ -1266,22 +1277,81 @@ def takes_sampling_params(model: str) -> bool:
     return not (re.match(r"o\d", name) or "codex" in name)
 
 
+def repair_json(text: str) -> Optional[Any]:
+    """Arguments cut off mid-stream: close the open string and brackets, if that is all
+    that is missing. None if the text still is not JSON."""
+    stack, in_string, escaped = [], False, False
+    for c in text:
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (c == "\\", c != '"')
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            stack.append("}" if c == "{" else "]")
+        elif c in "}]" and stack:
+            stack.pop()
+    repaired = text + ('"' if in_string else "") + "".join(reversed(stack))
+    try:
+        return loads(repaired)
+    except ValueError:
+        return None
+
+
+class ThinkTags:
+    """Splits inline <think>...</think> (or <thinking>) text out of a content stream, so
+    models that put their reasoning in the answer still show it as thoughts. A tag split
+    across two chunks is held back until it is complete."""
+
+    OPEN, CLOSE = ("<think>", "<thinking>"), ("</think>", "</thinking>")
+
+    def __init__(self):
+        self.thinking, self.held = False, ""
+
+    def feed(self, text: str) -> list:
+        """[(kind, text)] for the new text: kind is 'agent_message_chunk' or a thought."""
+        text, self.held, out = self.held + text, "", []
+        while text:
+            tags = self.CLOSE if self.thinking else self.OPEN
+            found = min(((text.find(t), t) for t in tags if t in text), default=None)
+            if found is None:
+                keep = max((len(text) - i for t in tags for i in range(len(text))
+                            if t.startswith(text[i:])), default=0)
+                self.held, text = text[len(text) - keep:], text[:len(text) - keep]
+                out.append((self.kind(), text))
+                break
+            at, tag = found
+            out.append((self.kind(), text[:at]))
+            self.thinking, text = not self.thinking, text[at + len(tag):]
+        return [(kind, t) for kind, t in out if t]
+
+    def kind(self) -> str:
+        return "agent_thought_chunk" if self.thinking else "agent_message_chunk"
+
+
 @dataclass
 class Reply:
     """One model reply as it streams in: text, thoughts, tool calls, why it stopped."""
     parts: list = field(default_factory=list)
     thoughts: list = field(default_factory=list)
     calls: list = field(default_factory=list)       # [{"id", "name", "arguments"}]
-    finish: str = ""
+    finish: str = ""          # OpenAI's words: stop, length, tool_calls, content_filter
     usage: Optional[dict] = None
+    thinking_blocks: list = field(default_factory=list)   # Anthropic's, signed, sent back
+    started: bool = False     # a byte of the reply has arrived: too late to retry
     _slots: dict = field(default_factory=dict)      # stream index -> call
 
     @property
     def text(self) -> str:
         return "".join(self.parts)
 
+    def say(self, kind: str, text: str, emit: Callable) -> None:
+        (self.thoughts if kind == "agent_thought_chunk" else self.parts).append(text)
+        emit(kind, text)
+
     def add_tool_delta(self, delta: Any) -> None:
-        """Assemble tool calls from deltas: by index, arguments arriving in pieces."""
+        """Assemble tool calls from deltas: by index, arguments arriving in pieces; a delta
+        with a new id on a used index starts a new call; one with neither id nor index
+        continues the last call."""
         if not isinstance(delta, dict):
             return
         index, call_id = delta.get("index"), delta.get("id")
@@ -1289,7 +1359,7 @@ class Reply:
         slot = self._slots.get(index) if index is not None else (
             self.calls[-1] if self.calls and not call_id else None)
         if slot is None or (call_id and slot["id"] and call_id != slot["id"]):
-            slot = {"id": "", "name": "", "arguments": ""}   # a new call (or a reused index)
+            slot = {"id": "", "name": "", "arguments": ""}
             self.calls.append(slot)
             self._slots[index] = slot
         if isinstance(call_id, str) and call_id and not slot["id"]:
@@ -1303,11 +1373,22 @@ class Reply:
             slot["arguments"] += arguments
 
     def message(self) -> dict:
-        """The assistant message for the model's context."""
+        """The assistant message for the model's context (canonical, OpenAI's shape)."""
         message: dict = {"role": "assistant", "content": self.text}
+        if self.thoughts:
+            message["reasoning_content"] = "".join(self.thoughts)
+        if self.thinking_blocks:
+            message["thinking_blocks"] = self.thinking_blocks
         if self.calls:
             for call in self.calls:
                 call["id"] = call["id"] or "call_" + os.urandom(6).hex()
+                if call["arguments"].strip():
+                    try:
+                        loads(call["arguments"])
+                    except ValueError:
+                        repaired = repair_json(call["arguments"])
+                        if isinstance(repaired, dict):
+                            call["arguments"] = json.dumps(repaired)
             message["tool_calls"] = [
                 {"id": c["id"], "type": "function",
                  "function": {"name": c["name"], "arguments": c["arguments"] or "{}"}}
@@ -1327,7 +1408,6 @@ class HttpStream:
         self.timeout, self.base_url = timeout, base_url
         self.response = None
         self.aborted = False
-
     def start(self, queue: asyncio.Queue) -> None:
         """Read in a thread; items reach `queue` as lists: one loop wake-up per batch."""
         loop = asyncio.get_running_loop()
@@ -1366,7 +1446,8 @@ class HttpStream:
                 put("data", loads(data))
             put("end", False)
         except urllib.error.HTTPError as e:
-            put("error", http_error(e.code, e.read(4000) if e.fp else b"", self.base_url))
+            put("error", http_error(e.code, e.read(4000) if e.fp else b"", self.base_url,
+                                    e.headers.get("Retry-After") if e.headers else None))
         except ValueError as e:
             put("error", ProviderError(f"the model server sent a malformed stream ({e})."))
         except Exception as e:
@@ -1376,7 +1457,7 @@ class HttpStream:
             put("error", ProviderError(
                 f"cannot reach the model server at {self.base_url} ({reason}). Is it running? "
                 "Check the base URL: QCR_BASE_URL or OPENAI_BASE_URL in the environment, "
-                "or baseUrl in ~/.qcr/config.json."))
+                "or baseUrl in ~/.qcr/config.json.", retry=True))
 
     def abort(self) -> None:
         """Stop reading: shut the socket so the thread's blocking read returns now."""
@@ -1390,7 +1471,8 @@ class HttpStream:
                 pass
 
 
-def http_error(status: int, body: bytes, base_url: str) -> ProviderError:
+def http_error(status: int, body: bytes, base_url: str,
+               retry_after: Optional[str] = None) -> ProviderError:
     """A ProviderError for an HTTP error status, with the server's words and a fix."""
     detail = body.decode("utf-8", "replace").strip()
     try:
@@ -1400,45 +1482,65 @@ def http_error(status: int, body: bytes, base_url: str) -> ProviderError:
         pass
     hint = {
         400: "the server rejected the request (does this model support tool calls?)",
-        401: "the API key was refused: set OPENAI_API_KEY (or apiKey in ~/.qcr/config.json)",
+        401: "the API key was refused: set OPENAI_API_KEY or ANTHROPIC_API_KEY (or apiKey / "
+             "anthropicApiKey in ~/.qcr/config.json)",
         403: "access denied: check the API key and that it may use this model",
         404: f"not found: check the base URL ({base_url}; it usually ends in /v1) "
              "and the model name",
         429: "rate limited or out of quota: wait a moment and try again",
     }.get(status, "the model server failed; try again" if status >= 500 else "request failed")
+    wait = None
+    if retry_after:
+        try:
+            wait = max(0.0, float(retry_after))
+        except ValueError:      # an HTTP date
+            from email.utils import parsedate_to_datetime
+            try:
+                wait = max(0.0, parsedate_to_datetime(retry_after).timestamp() - time.time())
+            except (TypeError, ValueError):
+                wait = None
     return ProviderError(f"the model server answered HTTP {status}: {detail[:500]} -- {hint}.",
-                         status)
+                         status, retry=status == 429 or status >= 500, retry_after=wait)
 
 
-class OpenAIProvider:
-    """Chat completions over HTTP, streamed; the one provider qcr has so far."""
+RETRY_FIRST = 1.0              # seconds before the first retry; doubled each time, jittered
+RETRY_MAX_WAIT = 20.0          # longest single wait between tries
+
+
+class Provider:
+    """One model server: how to ask it (url, headers, body) and how to read its stream.
+
+    `stream()` is shared: it starts the HTTP request, applies each event as it arrives, and
+    retries a busy or unreachable server with backoff -- within `retryBudget` seconds, and
+    only while nothing of the reply has arrived. Subclasses convert messages and events.
+    """
 
     def __init__(self, config: Config, model: str):
         self.config, self.model = config, model
 
-    def request_body(self, messages: list, tools: list) -> dict:
-        body: dict = {"model": self.model, "messages": messages, "stream": True,
-                      "stream_options": {"include_usage": True}}
-        if tools:
-            body["tools"] = tools
-        if self.config.temperature is not None and takes_sampling_params(self.model):
-            body["temperature"] = self.config.temperature
-        if self.config.max_tokens:
-            body["max_tokens"] = self.config.max_tokens
-        return body
-
     async def stream(self, messages: list, tools: list, reply: Reply,
                      emit: Callable[[str, str], None]) -> Reply:
         """Stream one reply into `reply`, calling emit(kind, text) for each chunk."""
-        if not self.config.base_url or not self.model:
+        if not self.base_url() or not self.model:
             raise ProviderError(NOT_CONFIGURED)
-        headers = {"Content-Type": "application/json", "Accept": "text/event-stream",
-                   "User-Agent": f"qcr/{__version__}"}
-        if self.config.api_key:
-            headers["Authorization"] = "Bearer " + self.config.api_key
         body = json.dumps(self.request_body(messages, tools)).encode()
-        url = self.config.base_url.rstrip("/") + "/chat/completions"
-        call = HttpStream(url, headers, body, self.config.request_timeout, self.config.base_url)
+        deadline, attempt = time.monotonic() + self.config.retry_budget, 0
+        while True:
+            try:
+                return await self.attempt(body, reply, emit)
+            except ProviderError as e:
+                attempt += 1
+                wait = e.retry_after if e.retry_after is not None else min(
+                    RETRY_MAX_WAIT, RETRY_FIRST * 2 ** (attempt - 1)) * random_jitter()
+                if not e.retry or reply.started or time.monotonic() + wait > deadline:
+                    raise
+                emit("agent_message_chunk", f"_[{str(e).split(' -- ')[0].split('. ')[0]}; "
+                     f"retrying in {wait:.0f} s]_\n\n")
+                await asyncio.sleep(wait)       # cancel lands here too
+
+    async def attempt(self, body: bytes, reply: Reply, emit: Callable) -> Reply:
+        call = HttpStream(self.url(), self.headers(), body, self.config.request_timeout,
+                          self.base_url())
         queue: asyncio.Queue = asyncio.Queue()
         call.start(queue)
         try:
@@ -1452,8 +1554,10 @@ class OpenAIProvider:
         """Apply a batch of stream items; True once the reply is complete."""
         for kind, item in items:
             if kind == "data":
-                self.apply_chunk(item, reply, emit)
+                reply.started = True
+                self.apply_event(item, reply, emit)
             elif kind == "whole":
+                reply.started = True
                 self.apply_whole(item, reply, emit)
                 return True
             elif kind == "error":
@@ -1461,11 +1565,75 @@ class OpenAIProvider:
             else:
                 if not item and not reply.finish:
                     raise ProviderError("the model stream ended before the reply was "
-                                        "complete (the connection dropped); try again.")
+                                        "complete (the connection dropped); try again.",
+                                        retry=not reply.started)
                 return True
         return False
 
-    def apply_chunk(self, chunk: Any, reply: Reply, emit: Callable) -> None:
+    def base_url(self) -> str:
+        return self.config.base_url
+
+    def url(self) -> str:
+        raise NotImplementedError
+
+    def headers(self) -> dict:
+        return {"Content-Type": "application/json", "Accept": "text/event-stream",
+                "User-Agent": f"qcr/{__version__}"}
+
+    def request_body(self, messages: list, tools: list) -> dict:
+        raise NotImplementedError
+
+    def apply_event(self, event: Any, reply: Reply, emit: Callable) -> None:
+        raise NotImplementedError
+
+    def apply_whole(self, answer: Any, reply: Reply, emit: Callable) -> None:
+        raise ProviderError("the model server did not stream its answer.")
+
+
+def random_jitter() -> float:
+    import random
+    return random.uniform(0.5, 1.5)
+
+
+class OpenAIProvider(Provider):
+    """Chat completions: OpenAI and every server that speaks its API, quirks included."""
+
+    def __init__(self, config: Config, model: str):
+        super().__init__(config, model)
+        self.tags = ThinkTags()
+
+    def url(self) -> str:
+        return self.config.base_url.rstrip("/") + "/chat/completions"
+
+    def headers(self) -> dict:
+        headers = super().headers()
+        if self.config.api_key:
+            headers["Authorization"] = "Bearer " + self.config.api_key
+        return headers
+
+    def request_body(self, messages: list, tools: list) -> dict:
+        body: dict = {"model": self.model, "messages": [self.outgoing(m) for m in messages],
+                      "stream": True, "stream_options": {"include_usage": True}}
+        if tools:
+            body["tools"] = tools
+        if self.config.temperature is not None and takes_sampling_params(self.model):
+            body["temperature"] = self.config.temperature
+        if self.config.max_tokens:
+            body["max_tokens"] = self.config.max_tokens
+        return body
+
+    def outgoing(self, message: dict) -> dict:
+        """A canonical message as this server takes it: qcr's own keys dropped; reasoning
+        sent back only when configured (some servers require it, others reject it)."""
+        out = {k: v for k, v in message.items() if k in ("role", "content", "tool_calls",
+                                                           "tool_call_id", "name")}
+        if self.config.send_reasoning and message.get("reasoning_content"):
+            out["reasoning_content"] = message["reasoning_content"]
+        if out.get("role") == "assistant" and out.get("content") is None:
+            out["content"] = ""
+        return out
+
+    def apply_event(self, chunk: Any, reply: Reply, emit: Callable) -> None:
         if not isinstance(chunk, dict):
             return
         if chunk.get("error"):
@@ -1480,12 +1648,11 @@ class OpenAIProvider:
             delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
             thought = delta.get("reasoning_content") or delta.get("reasoning")
             if isinstance(thought, str) and thought:
-                reply.thoughts.append(thought)
-                emit("agent_thought_chunk", thought)
+                reply.say("agent_thought_chunk", thought, emit)
             content = delta.get("content")
             if isinstance(content, str) and content:
-                reply.parts.append(content)
-                emit("agent_message_chunk", content)
+                for kind, text in self.tags.feed(content):
+                    reply.say(kind, text, emit)
             for tool_delta in delta.get("tool_calls") or []:
                 reply.add_tool_delta(tool_delta)
             if choice.get("finish_reason"):
@@ -1503,10 +1670,150 @@ class OpenAIProvider:
                          if isinstance(c, dict)]
                 choices.append({"delta": dict(message, tool_calls=calls),
                                 "finish_reason": choice.get("finish_reason") or "stop"})
-        self.apply_chunk({"choices": choices, "usage": completion.get("usage"),
+        self.apply_event({"choices": choices, "usage": completion.get("usage"),
                           "error": completion.get("error")}, reply, emit)
         if not reply.finish:
             raise ProviderError("the model server's answer had no choices.")
+
+
+ANTHROPIC_STOPS = {"end_turn": "stop", "stop_sequence": "stop", "pause_turn": "stop",
+                   "tool_use": "tool_calls", "max_tokens": "length", "refusal": "content_filter"}
+
+
+class AnthropicProvider(Provider):
+    """Anthropic's Messages API: typed stream events; thinking blocks are kept with their
+    signatures and sent back, as the API requires when tools are used."""
+
+    def base_url(self) -> str:
+        return self.config.anthropic_base_url
+
+    def url(self) -> str:
+        base = self.base_url().rstrip("/")
+        return base + ("/messages" if base.endswith("/v1") else "/v1/messages")
+
+    def headers(self) -> dict:
+        headers = super().headers()
+        headers.update({"x-api-key": self.config.anthropic_api_key,
+                        "anthropic-version": "2023-06-01"})
+        return headers
+
+    def request_body(self, messages: list, tools: list) -> dict:
+        system = "\n\n".join(m["content"] for m in messages if m["role"] == "system")
+        body: dict = {"model": self.model, "max_tokens": self.config.max_tokens or 8192,
+                      "stream": True, "system": system,
+                      "messages": to_anthropic([m for m in messages if m["role"] != "system"])}
+        if tools:
+            body["tools"] = [{"name": t["function"]["name"],
+                              "description": t["function"]["description"],
+                              "input_schema": t["function"]["parameters"]} for t in tools]
+        if self.config.thinking_budget:
+            body["thinking"] = {"type": "enabled", "budget_tokens": self.config.thinking_budget}
+        elif self.config.temperature is not None:
+            body["temperature"] = self.config.temperature
+        return body
+
+    def apply_event(self, event: Any, reply: Reply, emit: Callable) -> None:
+        kind = event.get("type") if isinstance(event, dict) else None
+        if kind == "error":
+            error = event.get("error") if isinstance(event.get("error"), dict) else {}
+            raise ProviderError(f"the model server reported an error mid-stream: "
+                                f"{error.get('message', error)}",
+                                retry=error.get("type") == "overloaded_error" and
+                                not reply.parts and not reply.calls)
+        if kind == "message_start":
+            usage = (event.get("message") or {}).get("usage")
+            if isinstance(usage, dict):
+                reply.usage = {"prompt_tokens": usage.get("input_tokens", 0)}
+        elif kind == "content_block_start":
+            block = event.get("content_block") or {}
+            if block.get("type") == "tool_use":
+                reply.add_tool_delta({"index": event.get("index"), "id": block.get("id"),
+                                      "function": {"name": block.get("name"), "arguments": ""}})
+            elif block.get("type") in ("thinking", "redacted_thinking"):
+                reply.thinking_blocks.append(dict(block))
+            elif block.get("type") == "text" and block.get("text"):
+                reply.say("agent_message_chunk", block["text"], emit)
+        elif kind == "content_block_delta":
+            delta = event.get("delta") or {}
+            if delta.get("type") == "text_delta":
+                reply.say("agent_message_chunk", delta.get("text", ""), emit)
+            elif delta.get("type") == "thinking_delta" and reply.thinking_blocks:
+                reply.thinking_blocks[-1]["thinking"] = \
+                    reply.thinking_blocks[-1].get("thinking", "") + delta.get("thinking", "")
+                reply.say("agent_thought_chunk", delta.get("thinking", ""), emit)
+            elif delta.get("type") == "signature_delta" and reply.thinking_blocks:
+                reply.thinking_blocks[-1]["signature"] = delta.get("signature", "")
+            elif delta.get("type") == "input_json_delta":
+                reply.add_tool_delta({"index": event.get("index"),
+                                      "function": {"arguments": delta.get("partial_json", "")}})
+        elif kind == "message_delta":
+            stop = (event.get("delta") or {}).get("stop_reason")
+            if stop:
+                reply.finish = ANTHROPIC_STOPS.get(stop, "stop")
+            usage = event.get("usage")
+            if isinstance(usage, dict) and reply.usage is not None:
+                reply.usage["completion_tokens"] = usage.get("output_tokens", 0)
+                reply.usage["total_tokens"] = reply.usage.get("prompt_tokens", 0) + \
+                    usage.get("output_tokens", 0)
+
+
+def to_anthropic(messages: list) -> list:
+    """Canonical messages as Anthropic takes them: tool calls as tool_use blocks, results as
+    tool_result blocks in a user turn, images as base64 sources, roles alternating."""
+    out: list = []
+
+    def add(role: str, blocks: list) -> None:
+        if out and out[-1]["role"] == role:
+            out[-1]["content"].extend(blocks)
+        else:
+            out.append({"role": role, "content": blocks})
+    for message in messages:
+        role, content = message.get("role"), message.get("content")
+        if role == "tool":
+            add("user", [{"type": "tool_result", "tool_use_id": message.get("tool_call_id"),
+                          "content": str(content or "")}])
+        elif role == "assistant":
+            blocks = list(message.get("thinking_blocks") or [])
+            if content:
+                blocks.append({"type": "text", "text": content})
+            for call in message.get("tool_calls") or []:
+                function = call.get("function") or {}
+                try:
+                    arguments = loads(function.get("arguments") or "{}")
+                except ValueError:
+                    arguments = {}
+                blocks.append({"type": "tool_use", "id": call.get("id"),
+                               "name": function.get("name"),
+                               "input": arguments if isinstance(arguments, dict) else {}})
+            add("assistant", blocks or [{"type": "text", "text": "(no reply)"}])
+        else:
+            add("user", user_blocks(content))
+    if out and out[0]["role"] != "user":
+        out.insert(0, {"role": "user", "content": [{"type": "text", "text": "(continue)"}]})
+    return out
+
+
+def user_blocks(content: Any) -> list:
+    if not isinstance(content, list):
+        return [{"type": "text", "text": str(content or "(empty)")}]
+    blocks = []
+    for part in content:
+        if part.get("type") == "text":
+            blocks.append({"type": "text", "text": part.get("text") or "(empty)"})
+        elif part.get("type") == "image_url":
+            url = (part.get("image_url") or {}).get("url", "")
+            match = re.match(r"data:([^;]+);base64,(.*)", url, re.S)
+            if match:
+                blocks.append({"type": "image", "source": {
+                    "type": "base64", "media_type": match.group(1), "data": match.group(2)}})
+    return blocks
+
+
+PROVIDERS = {"openai": OpenAIProvider, "anthropic": AnthropicProvider}
+
+
+def make_provider(config: Config, model: str) -> Provider:
+    return PROVIDERS[config.provider](config, model)
 
 
 # =============================================================================================
@@ -2747,7 +3054,7 @@ async def run_turn(agent: Agent, session: Session, text: str, shown: str = "",
     if agent.config.problems and not session.messages[:-1]:
         emit("agent_message_chunk", "[warning] " + "\n[warning] ".join(agent.config.problems)
              + "\n\n")
-    provider = OpenAIProvider(agent.config, session.model)
+    provider = make_provider(agent.config, session.model)
     reply: Optional[Reply] = None
     try:
         await learn_context_window(agent.config, session.model)
@@ -3023,7 +3330,7 @@ async def compact(agent: Agent, session: Session, instructions: str, automatic: 
         request += "\n\nIn the summary, also: " + instructions
     reply = Reply()
     try:
-        await OpenAIProvider(agent.config, session.model).stream(
+        await make_provider(agent.config, session.model).stream(
             [{"role": "system", "content": COMPACT_INSTRUCTIONS},
              {"role": "user", "content": request}], [], reply, lambda kind, text: None)
         if not reply.text.strip():
@@ -3219,8 +3526,11 @@ BUILTIN_NAMES = {c.name for c in BUILTIN_COMMANDS}
 
 @dataclass
 class Config:
+    provider: str = ""                           # "openai" (any compatible server) or "anthropic"
     base_url: str = ""
     api_key: str = ""
+    anthropic_base_url: str = "https://api.anthropic.com"
+    anthropic_api_key: str = ""
     model: str = ""
     models: list = field(default_factory=list)   # more models for the model selector
     temperature: Optional[float] = None
@@ -3229,6 +3539,9 @@ class Config:
     request_timeout: float = 300.0               # seconds without a byte from the server
     context_window: int = 0                      # tokens; 0 = by model name (see CONTEXT_WINDOWS)
     images: bool = True                          # send images (false: a text-only model)
+    retry_budget: float = 30.0                   # seconds of retrying a busy or absent server
+    send_reasoning: bool = False                 # send reasoning_content back (some servers want it)
+    thinking_budget: int = 0                     # Anthropic extended thinking, tokens; 0 = off
     compact_at: float = 0.8                      # share of the window that triggers compaction
     server_windows: dict = field(default_factory=dict)   # model -> window the server reported
     home: str = ""                               # ~/.qcr
@@ -3236,21 +3549,28 @@ class Config:
 
 
 CONFIG_KEYS = {    # config.json key -> (Config attribute, type)
-    "baseUrl": ("base_url", str), "apiKey": ("api_key", str), "model": ("model", str),
+    "provider": ("provider", str), "baseUrl": ("base_url", str), "apiKey": ("api_key", str),
+    "anthropicBaseUrl": ("anthropic_base_url", str),
+    "anthropicApiKey": ("anthropic_api_key", str), "model": ("model", str),
     "models": ("models", list), "temperature": ("temperature", float),
     "maxTokens": ("max_tokens", int), "maxTurnRequests": ("max_turn_requests", int),
     "requestTimeout": ("request_timeout", float),
     "contextWindow": ("context_window", int), "compactAt": ("compact_at", float),
-    "images": ("images", bool),
+    "images": ("images", bool), "retryBudget": ("retry_budget", float),
+    "sendReasoning": ("send_reasoning", bool), "thinkingBudget": ("thinking_budget", int),
 }
 ENV_KEYS = [       # environment variable -> config.json key; later ones win
+    ("ANTHROPIC_BASE_URL", "anthropicBaseUrl"), ("ANTHROPIC_API_KEY", "anthropicApiKey"),
     ("OPENAI_BASE_URL", "baseUrl"), ("OPENAI_API_KEY", "apiKey"), ("OPENAI_MODEL", "model"),
     ("QCR_BASE_URL", "baseUrl"), ("QCR_API_KEY", "apiKey"), ("QCR_MODEL", "model"),
     ("QCR_MODELS", "models"), ("QCR_TEMPERATURE", "temperature"),
     ("QCR_MAX_TOKENS", "maxTokens"), ("QCR_MAX_TURN_REQUESTS", "maxTurnRequests"),
     ("QCR_REQUEST_TIMEOUT", "requestTimeout"), ("QCR_CONTEXT_WINDOW", "contextWindow"),
     ("QCR_COMPACT_AT", "compactAt"), ("QCR_IMAGES", "images"),
+    ("QCR_PROVIDER", "provider"), ("QCR_RETRY_BUDGET", "retryBudget"),
+    ("QCR_SEND_REASONING", "sendReasoning"), ("QCR_THINKING_BUDGET", "thinkingBudget"),
 ]
+DEFAULT_ANTHROPIC_MODEL = "claude-sonnet-4-5"   # when only ANTHROPIC_API_KEY is set
 
 
 def load_config(path: Optional[str] = None, env: Optional[dict] = None) -> Config:
@@ -3264,6 +3584,15 @@ def load_config(path: Optional[str] = None, env: Optional[dict] = None) -> Confi
     for name, key in ENV_KEYS:
         if env.get(name):
             apply_config(config, {key: env[name]}, "$" + name)
+    if not config.provider:     # an Anthropic key alone means Anthropic
+        config.provider = "anthropic" if config.anthropic_api_key and not (
+            config.base_url or config.api_key) else "openai"
+    if config.provider not in PROVIDERS:
+        config.problems.append(f"provider {config.provider!r} is not one of "
+                               f"{', '.join(PROVIDERS)}; using openai")
+        config.provider = "openai"
+    if config.provider == "anthropic" and not config.model:
+        config.model = env.get("ANTHROPIC_MODEL") or DEFAULT_ANTHROPIC_MODEL
     if not config.base_url and config.api_key:
         config.base_url = "https://api.openai.com/v1"
     return config
@@ -3308,7 +3637,7 @@ def apply_config(config: Config, data: dict, source: str) -> None:
                     raise TypeError("not true or false")
             else:
                 value = kind(value)
-                if kind is int and value < 1:
+                if kind is int and value < 1 and key != "thinkingBudget":
                     raise ValueError("must be at least 1")
                 if key == "compactAt" and not 0 < value <= 1:
                     raise ValueError("must be a share of the window, above 0 and at most 1")
@@ -3381,10 +3710,12 @@ class FakeModel:
         self.respond, self.requests = respond, []
         self.disconnects = 0     # replies the client hung up on (a cancelled turn)
         self.routes: dict = {}   # GET path -> JSON answer; anything else is a 404
+        self.seen: list = []     # (path, headers) of each POST
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                fake.seen.append((self.path, {k.lower(): v for k, v in self.headers.items()}))
                 fake.requests.append(body)
                 fake.serve(self, body)
 
@@ -3643,7 +3974,7 @@ def selftest() -> int:
         project = os.path.join(home, "project")
         os.makedirs(project)
         write_text(os.path.join(project, "hello.py"), 'print("hello, world")\n')
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "QCR_"))}
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "QCR_", "ANTHROPIC_"))}
         env.update(HOME=home, QCR_BASE_URL=model.url, QCR_MODEL="scripted")
         asyncio.run(selftest_session(env, project, check))
         sessions = os.path.join(home, ".qcr", "sessions")

@@ -157,7 +157,7 @@ class AcpProcess:
     """`qcr.py --acp` as a child process, spoken to the way an editor does."""
 
     def __init__(self, home, cwd, env=None, args=()):
-        environ = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "QCR_"))}
+        environ = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "QCR_", "ANTHROPIC_"))}
         environ["HOME"] = home
         environ.update(env or {})
         self.proc = subprocess.Popen([sys.executable, QCR, "--acp", *args], cwd=cwd,
@@ -294,7 +294,7 @@ class AcpTestCase(unittest.TestCase):
         return self.model
 
     def start(self, env=None, args=(), model="test-model"):
-        environ = {}
+        environ = {"QCR_RETRY_BUDGET": "0"}      # errors at once, unless a test wants retries
         if self.model and model:
             environ.update(QCR_BASE_URL=self.model.url, QCR_MODEL=model)
         environ.update(env or {})
@@ -1325,6 +1325,201 @@ class TestProvider(AcpTestCase):
         self.assertIn("OPENAI_BASE_URL", text_of(updates))
 
 
+def anthropic_events(*events):
+    """Anthropic's stream: an "event:" line naming each event, then its data."""
+    return [f"event: {e['type']}\ndata: {json.dumps(e)}\n\n".encode() for e in events]
+
+
+class TestProviderQuirks(AcpTestCase):
+    """Streams as real servers send them, and servers that fail."""
+
+    def test_busy_servers_are_retried_with_their_retry_after(self):
+        self.fake_model((429, {"error": {"message": "slow down"}}),
+                        (503, {"error": "overloaded"}), scripted_reply("Finally."))
+        retry_after = []
+        original = self.model.serve
+
+        def serve(handler, body):       # the first answer carries Retry-After: 1
+            if not retry_after:
+                retry_after.append(True)
+                data = b'{"error": {"message": "slow down"}}'
+                handler.send_response(429)
+                handler.send_header("Retry-After", "1")
+                handler.send_header("Content-Length", str(len(data)))
+                handler.end_headers()
+                handler.wfile.write(data)
+                return
+            original(handler, body)
+        self.model.serve = serve
+        agent = self.start(env={"QCR_RETRY_BUDGET": "20"})
+        response, updates, _ = self.prompt(agent, self.new_session(agent), "hi")
+        self.assertResult(response, {"stopReason": "end_turn"})
+        text = text_of(updates)
+        self.assertIn("HTTP 429: slow down; retrying in 1 s", text)
+        self.assertIn("HTTP 503", text)
+        self.assertTrue(text.endswith("Finally."))
+        self.assertEqual(len(self.model.requests), 4)
+
+    def test_no_retry_once_the_reply_has_begun_and_none_past_the_budget(self):
+        self.fake_model([sse(completion_chunk({"content": "Half"})), "drop"],
+                        scripted_reply("never"))
+        agent = self.start(env={"QCR_RETRY_BUDGET": "20"})
+        response, updates, _ = self.prompt(agent, self.new_session(agent), "hi")
+        self.assertIn("[error]", text_of(updates))
+        self.assertEqual(len(self.model.requests), 1)
+        self.model.close()
+        self.fake_model((503, {"error": "down"}))
+        agent = self.start(env={"QCR_RETRY_BUDGET": "2.5"})
+        response, updates, _ = self.prompt(agent, self.new_session(agent), "hi")
+        self.assertIn("[error] the model server answered HTTP 503", text_of(updates))
+        self.assertLessEqual(len(self.model.requests), 3)
+
+    def test_cancel_interrupts_the_wait_between_tries(self):
+        self.fake_model((503, {"error": "down"}))
+        original = self.model.serve
+
+        def serve(handler, body):
+            handler.send_response(503)
+            handler.send_header("Retry-After", "30")
+            handler.send_header("Content-Length", "2")
+            handler.end_headers()
+            handler.wfile.write(b"{}")
+        self.model.serve = serve
+        agent = self.start(env={"QCR_RETRY_BUDGET": "60"})
+        session_id = self.new_session(agent)
+
+        def cancel_on_note(update):
+            if "retrying in 30 s" in json.dumps(update):
+                agent.notify("session/cancel", {"sessionId": session_id})
+        response, _, _ = self.prompt(agent, session_id, "hi", on_update=cancel_on_note,
+                                     timeout=10)
+        self.assertResult(response, {"stopReason": "cancelled"})
+
+    def test_think_tags_become_thoughts_even_split_across_chunks(self):
+        pieces = ["<thi", "nk>Let me ", "plan.</thi", "nk>The answer", " is 4."]
+        self.fake_model([sse(completion_chunk({"content": p})) for p in pieces] +
+                        [sse(completion_chunk(finish="stop")), sse(b"[DONE]")])
+        agent = self.start()
+        _, updates, _ = self.prompt(agent, self.new_session(agent), "2+2?")
+        self.assertEqual(text_of(updates, "agent_thought_chunk"), "Let me plan.")
+        self.assertEqual(text_of(updates), "The answer is 4.")
+
+    def test_tool_call_shapes_of_real_servers(self):
+        self.write("a.txt", "alpha\n")
+        ollama = [sse(completion_chunk({"tool_calls": [{"function": {
+            "name": "ReadFile", "arguments": {"path": "a.txt"}}}]})),   # whole, no id
+            sse(completion_chunk(finish="tool_calls")), sse(b"[DONE]")]
+        reused = [sse(completion_chunk({"tool_calls": [{"index": 0, "id": "x1", "function": {
+            "name": "LS", "arguments": "{}"}}]})),
+            sse(completion_chunk({"tool_calls": [{"index": 0, "id": "x2", "function": {
+                "name": "ReadFile", "arguments": '{"path": '}}]})),
+            sse(completion_chunk({"tool_calls": [{"index": 0, "function": {
+                "arguments": '"a.txt'}}]})),      # and left unclosed: repaired
+            sse(completion_chunk(finish="tool_calls"))]       # no [DONE], no usage
+        self.fake_model(ollama, reused, scripted_reply("ok", usage=None))
+        agent = self.start()
+        _, updates, _ = self.prompt(agent, self.new_session(agent), "go")
+        titles = [u["title"] for u in updates if u["sessionUpdate"] == "tool_call"]
+        self.assertEqual(titles, ["Read a.txt", "List .", "Read a.txt"])
+        self.assertEqual(list(final_status(updates).values()), ["completed"] * 3)
+        sent = self.model.requests[2]["messages"]
+        self.assertEqual(sent[4]["tool_calls"][1]["function"]["arguments"], '{"path": "a.txt"}')
+
+    def test_reasoning_goes_back_only_where_configured(self):
+        for env, sent in (({}, False), ({"QCR_SEND_REASONING": "true"}, True)):
+            with self.subTest(env=env):
+                self.fake_model([sse(completion_chunk({"reasoning_content": "hmm"}))] +
+                                calls(("LS", {})), scripted_reply("ok"))
+                agent = self.start(env=env)
+                self.prompt(agent, self.new_session(agent), "go")
+                assistant = self.model.requests[1]["messages"][2]
+                self.assertEqual(assistant.get("reasoning_content") == "hmm", sent)
+                self.model.close()
+
+    def test_anthropic_messages_api(self):
+        tool_use = [
+            {"type": "message_start", "message": {"usage": {"input_tokens": 50}}},
+            {"type": "content_block_start", "index": 0,
+             "content_block": {"type": "thinking", "thinking": ""}},
+            {"type": "content_block_delta", "index": 0,
+             "delta": {"type": "thinking_delta", "thinking": "Read it first."}},
+            {"type": "content_block_delta", "index": 0,
+             "delta": {"type": "signature_delta", "signature": "sig-123"}},
+            {"type": "content_block_stop", "index": 0},
+            {"type": "content_block_start", "index": 1,
+             "content_block": {"type": "text", "text": ""}},
+            {"type": "content_block_delta", "index": 1,
+             "delta": {"type": "text_delta", "text": "Reading."}},
+            {"type": "content_block_start", "index": 2,
+             "content_block": {"type": "tool_use", "id": "toolu_1", "name": "ReadFile",
+                               "input": {}}},
+            {"type": "content_block_delta", "index": 2,
+             "delta": {"type": "input_json_delta", "partial_json": '{"path": "a'}},
+            {"type": "content_block_delta", "index": 2,
+             "delta": {"type": "input_json_delta", "partial_json": '.txt"}'}},
+            {"type": "message_delta", "delta": {"stop_reason": "tool_use"},
+             "usage": {"output_tokens": 20}},
+            {"type": "message_stop"}]
+        answer = [{"type": "message_start", "message": {"usage": {"input_tokens": 90}}},
+                  {"type": "content_block_start", "index": 0,
+                   "content_block": {"type": "text", "text": ""}},
+                  {"type": "content_block_delta", "index": 0,
+                   "delta": {"type": "text_delta", "text": "It says alpha."}},
+                  {"type": "message_delta", "delta": {"stop_reason": "end_turn"},
+                   "usage": {"output_tokens": 5}},
+                  {"type": "message_stop"}]
+        self.write("a.txt", "alpha\n")
+        self.fake_model(anthropic_events(*tool_use), anthropic_events(*answer))
+        agent = self.start(model=None, env={"ANTHROPIC_API_KEY": "sk-ant-test",
+                                            "ANTHROPIC_BASE_URL": self.model.url,
+                                            "ANTHROPIC_MODEL": "claude-test"})
+        response, updates, _ = self.prompt(agent, self.new_session(agent), "what is in a.txt?")
+        self.assertResult(response, {"stopReason": "end_turn"})
+        self.assertEqual(text_of(updates, "agent_thought_chunk"), "Read it first.")
+        self.assertEqual(text_of(updates), "Reading.It says alpha.")
+        usage = [u for u in updates if u["sessionUpdate"] == "usage_update"]
+        self.assertEqual(usage[0]["used"], 70)
+        path, headers = self.model.seen[0]
+        self.assertEqual(path, "/v1/messages")
+        self.assertEqual((headers["x-api-key"], headers["anthropic-version"]),
+                         ("sk-ant-test", "2023-06-01"))
+        first = self.model.requests[0]
+        self.assertEqual(first["model"], "claude-test")
+        self.assertIn("You are qcr", first["system"])
+        self.assertEqual(first["messages"], [{"role": "user", "content": [
+            {"type": "text", "text": "what is in a.txt?"}]}])
+        self.assertIn("input_schema", first["tools"][0])
+        second = self.model.requests[1]["messages"]
+        self.assertEqual(second[1], {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "Read it first.", "signature": "sig-123"},
+            {"type": "text", "text": "Reading."},
+            {"type": "tool_use", "id": "toolu_1", "name": "ReadFile",
+             "input": {"path": "a.txt"}}]})
+        self.assertEqual(second[2], {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "     1\talpha"}]})
+
+    def test_anthropic_stop_reasons_and_errors(self):
+        for stop, reason in (("max_tokens", "max_tokens"), ("refusal", "refusal")):
+            with self.subTest(stop=stop):
+                self.fake_model(anthropic_events(
+                    {"type": "message_start", "message": {"usage": {"input_tokens": 1}}},
+                    {"type": "message_delta", "delta": {"stop_reason": stop}, "usage": {}},
+                    {"type": "message_stop"}))
+                agent = self.start(model=None, env={"ANTHROPIC_API_KEY": "k",
+                                                    "ANTHROPIC_BASE_URL": self.model.url})
+                response, _, _ = self.prompt(agent, self.new_session(agent), "hi")
+                self.assertResult(response, {"stopReason": reason})
+                self.assertEqual(self.model.requests[0]["model"], qcr.DEFAULT_ANTHROPIC_MODEL)
+                self.model.close()
+        self.fake_model(anthropic_events({"type": "error", "error": {
+            "type": "invalid_request_error", "message": "prompt is too long"}}))
+        agent = self.start(model=None, env={"ANTHROPIC_API_KEY": "k",
+                                            "ANTHROPIC_BASE_URL": self.model.url})
+        _, updates, _ = self.prompt(agent, self.new_session(agent), "hi")
+        self.assertIn("[error] the model server reported an error mid-stream: prompt is too long",
+                      text_of(updates))
+
+
 # =============================================================================================
 # 5. Tools
 # =============================================================================================
@@ -1590,7 +1785,7 @@ class TestTools(AcpTestCase):
         self.prompt(agent, self.new_session(agent), "go")
         self.assertIn("there is no tool named 'Teleport'", self.tool_messages(1)[0])
         stream = [sse(completion_chunk({"tool_calls": [{"index": 0, "id": "c1", "function": {
-            "name": "ReadFile", "arguments": '{"path": "a'}}]})),
+            "name": "ReadFile", "arguments": '{"path": "a", oops}'}}]})),
             sse(completion_chunk(finish="tool_calls")), sse(b"[DONE]")]
         self.fake_model(stream, scripted_reply("ok"))
         agent = self.start()
@@ -2363,7 +2558,7 @@ class TestOfficialSdkClient(AcpTestCase):
         self.model = qcr.FakeModel(qcr.selftest_script)
         with open(os.path.join(self.project, "hello.py"), "w") as f:
             f.write('print("hello, world")\n')
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "QCR_"))}
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "QCR_", "ANTHROPIC_"))}
         env.update(HOME=self.home, QCR_BASE_URL=self.model.url, QCR_MODEL="scripted")
         seen = {"updates": [], "permissions": []}
 
@@ -2572,8 +2767,8 @@ class TestCli(unittest.TestCase):
         hello = os.path.join(project, "hello.py")
         model = qcr.FakeModel(qcr.selftest_script)
         self.addCleanup(model.close)
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "QCR_"))}
-        env.update(HOME=home, QCR_BASE_URL=model.url, QCR_MODEL="scripted")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "QCR_", "ANTHROPIC_"))}
+        env.update(HOME=home, QCR_BASE_URL=model.url, QCR_MODEL="scripted", QCR_RETRY_BUDGET="0")
 
         def run(*args, environ=env):
             with open(hello, "w") as f:
@@ -2763,7 +2958,7 @@ class Bench:
     def raw_prompt(self, model, on_line):
         """One prompt to a bare `qcr.py --acp`, its stdout read raw (no harness thread in the
         way): on_line(line) for every line until the prompt's answer."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "QCR_"))}
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "QCR_", "ANTHROPIC_"))}
         env.update(HOME=self.home, QCR_BASE_URL=model.url, QCR_MODEL="bench")
         proc = subprocess.Popen([sys.executable, QCR, "--acp"], cwd=self.project, env=env,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
