@@ -573,6 +573,8 @@ class Agent:
         self.client_capabilities: dict = {}
         self.sessions: dict = {}
         self.ledger = Ledger(os.path.join(config.home, "permissions.json"))
+        self.searched = False        # looked for a local model server already
+        self.notice = ""             # what that search found, for the first session
 
     def client_can(self, *keys: str) -> bool:
         """Did the client advertise this capability? (`true`, or `{}` for object flags)"""
@@ -643,22 +645,70 @@ class Agent:
                 "sessionCapabilities": {"list": {}, "resume": {}, "close": {}, "delete": {},
                                         "additionalDirectories": {}},
             },
-            "authMethods": [],
+            "authMethods": self.auth_methods(),
             "agentInfo": {"name": "qcr", "title": "qcr", "version": __version__},
         }
+
+    def auth_methods(self) -> list:
+        """How the user can give qcr a model: setup in a terminal (when the client can run
+        one), or "I have configured it" -- read the configuration again and look again."""
+        methods = [{"id": "reload", "name": "Use my configuration",
+                    "description": "Read ~/.qcr/config.json and the environment again, and "
+                                   "look for a model server on this machine"}]
+        if self.client_can("auth", "terminal"):
+            methods.insert(0, {"id": "login", "type": "terminal", "args": ["--login"],
+                               "name": "Set up a model",
+                               "description": "Choose a model server, key and model in a "
+                                              "terminal; saved to ~/.qcr/config.json"})
+        return methods
 
     @rpc("authenticate")
     async def authenticate(self, params: dict) -> dict:
         method_id = need(params, "methodId")
-        raise RpcError.invalid_params("methodId", f"names no auth method of qcr: {method_id!r}")
+        if method_id not in [m["id"] for m in self.auth_methods()]:
+            raise RpcError.invalid_params("methodId", f"names no auth method of qcr: "
+                                                      f"{method_id!r}")
+        self.config, self.searched = load_config(self.config.config_file or None), False
+        await self.ensure_model()
+        return {}
+
+    async def ensure_model(self) -> None:
+        """Before a session: with no model configured, look for a model server on this
+        machine (or ask the configured one for its models); with none at all, answer
+        -32000 so the editor shows its sign-in screen."""
+        config = self.config
+        if config.provider != "openai" or (config.base_url and config.model):
+            return
+        if not self.searched:
+            self.searched = True
+            urls = [config.base_url] if config.base_url else config.local_servers
+            found = await asyncio.to_thread(discover, urls, config.api_key)
+            if found:
+                url, models = found
+                if not config.base_url:
+                    config.base_url = url
+                    self.notice = (f"[note] No model was configured, so qcr uses the model "
+                                   f"server it found at {url}. Pick a model in the model "
+                                   "selector; `python3 qcr.py --login` saves a choice.\n\n")
+                config.models = list(config.models) + [m for m in models
+                                                       if m not in config.models]
+                config.model = config.model or models[0]
+        if not config.base_url:
+            raise RpcError(AUTH_REQUIRED, "Authentication required: no model is configured, "
+                           "and no model server answered on this machine (tried "
+                           f"{', '.join(config.local_servers) or 'none'}). Set one up: "
+                           "`python3 qcr.py --login`, or OPENAI_BASE_URL and OPENAI_MODEL "
+                           "(or ANTHROPIC_API_KEY) in the agent's env -- see the README.")
 
     # -- sessions -----------------------------------------------------------------------------
     @rpc("session/new")
     async def session_new(self, params: dict) -> dict:
         cwd, servers, dirs = need_cwd(params), need_mcp_servers(params), need_dirs(params)
+        await self.ensure_model()
         session_id = f"acp-{os.urandom(8).hex()}-{os.urandom(8).hex()}"   # CSPRNG
         session = Session(id=session_id, cwd=cwd, model=self.config.model, mcp_servers=servers,
-                          additional_dirs=dirs)
+                          additional_dirs=dirs, notice=self.notice)
+        self.notice = ""
         self.sessions[session_id] = session
         self.after_answer(session)
         return {"sessionId": session_id, "modes": self.modes(session),
@@ -688,6 +738,7 @@ class Agent:
         """
         session_id = need_session_id(params)
         cwd, servers, dirs = need_cwd(params), need_mcp_servers(params), need_dirs(params)
+        await self.ensure_model()
         session = self.sessions.get(session_id)
         if session is None:
             try:
@@ -3542,6 +3593,8 @@ class Config:
     retry_budget: float = 30.0                   # seconds of retrying a busy or absent server
     send_reasoning: bool = False                 # send reasoning_content back (some servers want it)
     thinking_budget: int = 0                     # Anthropic extended thinking, tokens; 0 = off
+    local_servers: list = field(default_factory=lambda: list(LOCAL_SERVERS))  # probed if unset
+    config_file: str = ""                        # --config FILE, to read again on sign-in
     compact_at: float = 0.8                      # share of the window that triggers compaction
     server_windows: dict = field(default_factory=dict)   # model -> window the server reported
     home: str = ""                               # ~/.qcr
@@ -3558,6 +3611,7 @@ CONFIG_KEYS = {    # config.json key -> (Config attribute, type)
     "contextWindow": ("context_window", int), "compactAt": ("compact_at", float),
     "images": ("images", bool), "retryBudget": ("retry_budget", float),
     "sendReasoning": ("send_reasoning", bool), "thinkingBudget": ("thinking_budget", int),
+    "localServers": ("local_servers", list),
 }
 ENV_KEYS = [       # environment variable -> config.json key; later ones win
     ("ANTHROPIC_BASE_URL", "anthropicBaseUrl"), ("ANTHROPIC_API_KEY", "anthropicApiKey"),
@@ -3569,14 +3623,20 @@ ENV_KEYS = [       # environment variable -> config.json key; later ones win
     ("QCR_COMPACT_AT", "compactAt"), ("QCR_IMAGES", "images"),
     ("QCR_PROVIDER", "provider"), ("QCR_RETRY_BUDGET", "retryBudget"),
     ("QCR_SEND_REASONING", "sendReasoning"), ("QCR_THINKING_BUDGET", "thinkingBudget"),
+    ("QCR_LOCAL_SERVERS", "localServers"),
 ]
+LOCAL_SERVERS = ("http://127.0.0.1:11434/v1",   # Ollama
+                 "http://127.0.0.1:8080/v1",    # llama.cpp's llama-server
+                 "http://127.0.0.1:1234/v1",    # LM Studio
+                 "http://127.0.0.1:8000/v1")    # vLLM
+DISCOVERY_TIMEOUT = 0.8        # seconds for the whole search for a local server
 DEFAULT_ANTHROPIC_MODEL = "claude-sonnet-4-5"   # when only ANTHROPIC_API_KEY is set
 
 
 def load_config(path: Optional[str] = None, env: Optional[dict] = None) -> Config:
     """Build the configuration from its layers; mistakes are collected, never fatal."""
     env = os.environ if env is None else env
-    config = Config(home=os.path.join(os.path.expanduser("~"), ".qcr"))
+    config = Config(home=os.path.join(os.path.expanduser("~"), ".qcr"), config_file=path or "")
     user_file = os.path.join(config.home, "config.json")
     for source, required in ((user_file, False), (path, True)):
         if source:
@@ -3624,7 +3684,7 @@ def apply_config(config: Config, data: dict, source: str) -> None:
         attribute, kind = CONFIG_KEYS[key]
         try:
             if kind is list:
-                value = [v.strip() for v in value.split(",") if v.strip()] \
+                value = [v.strip() for v in value.split(",") if v.strip() not in ("", "none")] \
                     if isinstance(value, str) else [str(v) for v in value]
             elif kind is str:
                 if not isinstance(value, str):
@@ -3645,6 +3705,34 @@ def apply_config(config: Config, data: dict, source: str) -> None:
             config.problems.append(f"setting {key!r} in {source} is invalid ({e}); ignored")
             continue
         setattr(config, attribute, value)
+
+
+def discover(urls: list, api_key: str = "") -> Optional[tuple]:
+    """The first of these OpenAI-compatible servers that answers /models with a model:
+    (base url, model ids), or None. All are asked at once, within DISCOVERY_TIMEOUT."""
+    import urllib.request
+    answers: dict = {}
+
+    def ask(url: str) -> None:
+        try:
+            headers = {"Authorization": "Bearer " + api_key} if api_key else {}
+            request = urllib.request.Request(url.rstrip("/") + "/models", headers=headers)
+            with urllib.request.urlopen(request, timeout=DISCOVERY_TIMEOUT) as response:
+                data = loads(response.read(1 << 20))
+            models = [m["id"] for m in data.get("data", []) if isinstance(m, dict)
+                      and isinstance(m.get("id"), str)]
+            if models:
+                answers[url] = models
+        except Exception:
+            pass
+    threads = [threading.Thread(target=ask, args=(url,), daemon=True) for url in urls]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + DISCOVERY_TIMEOUT + 0.2
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    found = [(url, answers[url]) for url in urls if url in answers]
+    return found[0] if found else None
 
 
 # =============================================================================================
@@ -4143,6 +4231,65 @@ def serve_acp(config: Config, trace: Optional[str]) -> int:
     os._exit(0)     # threads blocked in reads must not hold the exit up
 
 
+def login(config: Config) -> int:
+    """--login: choose a model server, key and model in a terminal, test the connection, and
+    save ~/.qcr/config.json (readable by you alone). The editor's "Set up a model" runs this."""
+    import getpass
+    say = sys.stdout.write
+    say("qcr setup: pick the model qcr talks to. Saved to ~/.qcr/config.json.\n\n")
+
+    def ask(question: str, default: str = "") -> str:
+        answer = input(f"{question}{f' [{default}]' if default else ''}: ").strip()
+        return answer or default
+    found = discover(config.local_servers)
+    if found:
+        say(f"Found a model server on this machine: {found[0]} ({len(found[1])} models).\n")
+    choice = ask("Provider: 1) an OpenAI-compatible server (Ollama, llama.cpp, vLLM, LM Studio, "
+                 "OpenAI, OpenRouter, ...)  2) Anthropic", "1")
+    settings: dict = {}
+    if choice == "2":
+        settings["provider"] = "anthropic"
+        settings["anthropicApiKey"] = getpass.getpass("Anthropic API key: ").strip()
+        settings["model"] = ask("Model", DEFAULT_ANTHROPIC_MODEL)
+    else:
+        settings["provider"] = "openai"
+        settings["baseUrl"] = ask("Base URL", found[0] if found else "https://api.openai.com/v1")
+        key = getpass.getpass("API key (empty for none): ").strip()
+        if key:
+            settings["apiKey"] = key
+        models = (discover([settings["baseUrl"]], key) or (None, []))[1]
+        for i, model in enumerate(models[:30], 1):
+            say(f"  {i}) {model}\n")
+        model = ask("Model (a number above, or a model id)", "1" if models else "")
+        settings["model"] = models[int(model) - 1] if model.isdigit() and \
+            1 <= int(model) <= len(models) else model
+    test = Config(**{**config.__dict__, "problems": [], "models": []})
+    apply_config(test, settings, "the setup")
+    say("Testing the connection ... ")
+    sys.stdout.flush()
+    try:
+        reply = asyncio.run(make_provider(test, test.model).stream(
+            [{"role": "user", "content": "Answer with the word OK."}], [], Reply(),
+            lambda kind, text: None))
+        say(f"ok (the model said: {reply.text.strip()[:60]!r})\n")
+    except ProviderError as e:
+        say(f"failed: {e}\n")
+        if ask("Save anyway? (y/n)", "n").lower() != "y":
+            return 1
+    path = os.path.join(config.home, "config.json")
+    saved = read_config_file(Config(), path, False)
+    saved.update(settings)
+    os.makedirs(config.home, exist_ok=True)
+    temporary = path + ".tmp"
+    with open(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        json.dump(saved, f, indent=2)
+    os.chmod(temporary, 0o600)
+    os.replace(temporary, path)
+    say(f"Saved {path}. In your editor, choose \"Use my configuration\" or start a new "
+        "thread.\n")
+    return 0
+
+
 def main(argv: Optional[list] = None) -> int:
     import argparse
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -4169,6 +4316,8 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--client", action="store_true",
                         help="with -p: drive the ACP agent given after -- (e.g. -- python3 "
                              "qcr.py --acp) and show every frame on stderr")
+    parser.add_argument("--login", action="store_true",
+                        help="set up the model server, key and model in this terminal")
     parser.add_argument("--version", action="version", version=f"qcr {__version__}")
     parser.add_argument("--search-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -4176,6 +4325,12 @@ def main(argv: Optional[list] = None) -> int:
         return search_worker()
     if args.selftest:
         return selftest()
+    if args.login:
+        try:
+            return login(load_config(args.config))
+        except (EOFError, KeyboardInterrupt):
+            sys.stdout.write("\nqcr setup: nothing was saved.\n")
+            return 1
     if args.acp:
         return serve_acp(load_config(args.config), args.trace)
     if args.client:

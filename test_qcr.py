@@ -294,9 +294,12 @@ class AcpTestCase(unittest.TestCase):
         return self.model
 
     def start(self, env=None, args=(), model="test-model"):
-        environ = {"QCR_RETRY_BUDGET": "0"}      # errors at once, unless a test wants retries
+        environ = {"QCR_RETRY_BUDGET": "0",       # errors at once, unless a test wants retries
+                   "QCR_LOCAL_SERVERS": "none"}   # never the developer's own model servers
         if self.model and model:
             environ.update(QCR_BASE_URL=self.model.url, QCR_MODEL=model)
+        elif model:        # configured, but nothing listens there
+            environ.update(QCR_BASE_URL="http://127.0.0.1:9/v1", QCR_MODEL=model)
         environ.update(env or {})
         agent = AcpProcess(self.home, self.project, environ, args)
         self.agents.append(agent)
@@ -601,7 +604,7 @@ class TestInitialize(AcpTestCase):
         result = response["result"]
         self.assertEqual(result["agentInfo"]["name"], "qcr")
         self.assertEqual(result["agentInfo"]["version"], qcr.__version__)
-        self.assertEqual(result["authMethods"], [])
+        self.assertEqual([m["id"] for m in result["authMethods"]], ["reload"])
         caps = result["agentCapabilities"]
         self.assertTrue(caps["loadSession"])
         self.assertEqual(caps["promptCapabilities"],
@@ -1317,12 +1320,50 @@ class TestProvider(AcpTestCase):
             self.assertIn("cannot reach the model server", text_of(updates))
         self.assertClean(agent)
 
-    def test_no_model_configured_says_how_to_configure(self):
-        agent = self.start()
+    def test_no_model_anywhere_asks_the_editor_to_sign_in(self):
+        agent = self.start(model=None)
+        response, _, _ = agent.call("initialize", {"protocolVersion": 1})
+        self.assertEqual([m["id"] for m in response["result"]["authMethods"]], ["reload"])
+        response, _, _ = agent.call("initialize", {"protocolVersion": 1, "clientCapabilities": {
+            "auth": {"terminal": True}}})
+        methods = response["result"]["authMethods"]
+        self.assertEqual(methods[0], {"id": "login", "type": "terminal", "args": ["--login"],
+                                      "name": "Set up a model", "description": methods[0][
+                                          "description"]})
+        response, _, _ = agent.call("session/new", {"cwd": self.project, "mcpServers": []})
+        self.assertRpcError(response, qcr.AUTH_REQUIRED, "--login")
+        response, _, _ = agent.call("authenticate", {"methodId": "reload"})
+        self.assertRpcError(response, qcr.AUTH_REQUIRED)
+        self.fake_model(scripted_reply("Configured now."))
+        os.makedirs(os.path.join(self.home, ".qcr"), exist_ok=True)
+        with open(os.path.join(self.home, ".qcr", "config.json"), "w") as f:
+            json.dump({"baseUrl": self.model.url, "model": "from-file"}, f)
+        response, _, _ = agent.call("authenticate", {"methodId": "reload"})
+        self.assertResult(response, {})
         response, updates, _ = self.prompt(agent, self.new_session(agent), "hi")
-        self.assertResult(response, {"stopReason": "end_turn"})
-        self.assertIn("[error] no model is configured", text_of(updates))
-        self.assertIn("OPENAI_BASE_URL", text_of(updates))
+        self.assertEqual(text_of(updates), "Configured now.")
+        response, _, _ = agent.call("authenticate", {"methodId": "bogus"})
+        self.assertRpcError(response, qcr.INVALID_PARAMS, "methodId")
+
+    def test_a_local_model_server_is_found_when_none_is_configured(self):
+        self.fake_model(scripted_reply("Local answer."))
+        self.model.routes["/v1/models"] = {"data": [{"id": "local-a"}, {"id": "local-b"}]}
+        agent = self.start(model=None, env={
+            "QCR_LOCAL_SERVERS": f"http://127.0.0.1:9/v1,{self.model.url}"})
+        agent.call("initialize", {"protocolVersion": 1})
+        response, _, _ = agent.call("session/new", {"cwd": self.project, "mcpServers": []})
+        options = {o["id"]: o for o in response["result"]["configOptions"]}
+        self.assertEqual(options["model"]["currentValue"], "local-a")
+        self.assertEqual([o["value"] for o in options["model"]["options"]],
+                         ["local-a", "local-b"])
+        notice = agent.recv()["params"]["update"]
+        self.assertIn(f"uses the model server it found at {self.model.url}",
+                      notice["content"]["text"])
+        session_id = response["result"]["sessionId"]
+        agent.recv()                                   # the commands
+        response, updates, _ = self.prompt(agent, session_id, "hi")
+        self.assertEqual(text_of(updates), "Local answer.")
+        self.assertEqual(self.model.requests[0]["model"], "local-a")
 
 
 def anthropic_events(*events):
@@ -2453,6 +2494,11 @@ class TestTurns(AcpTestCase):
         self.assertClean(agent)
 
 
+def stat_mode(path):
+    import stat as stat_module
+    return stat_module.S_IMODE(os.stat(path).st_mode)
+
+
 def alive(pid):
     """Is the process running (zombies count as gone)?"""
     try:
@@ -2803,6 +2849,49 @@ class TestCli(unittest.TestCase):
         out = run("--client", "-p", "hi", "--", "/nonexistent/agent")
         self.assertEqual(out.returncode, 2)
         self.assertIn("cannot start /nonexistent/agent", out.stderr)
+
+    def test_login_in_a_terminal_writes_a_private_config(self):
+        import pty
+        home = tempfile.mkdtemp(prefix="qcr-login-")
+        self.addCleanup(shutil.rmtree, home, True)
+        model = qcr.FakeModel(lambda body: scripted_reply("OK"))
+        self.addCleanup(model.close)
+        model.routes["/v1/models"] = {"data": [{"id": "m-one"}, {"id": "m-two"}]}
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("OPENAI_", "QCR_", "ANTHROPIC_"))}
+        env.update(HOME=home, QCR_LOCAL_SERVERS=model.url, QCR_RETRY_BUDGET="0")
+        pid, master = pty.fork()
+        if pid == 0:                                    # the child: qcr --login on a tty
+            os.execve(sys.executable, [sys.executable, QCR, "--login"], env)
+        screen = b""
+
+        def expect(text, answer):
+            nonlocal screen
+            deadline = time.monotonic() + 20
+            while text.encode() not in screen:
+                self.assertLess(time.monotonic(), deadline, screen.decode(errors="replace"))
+                try:
+                    screen += os.read(master, 4096)
+                except OSError:
+                    break
+            os.write(master, answer.encode() + b"\n")
+        expect("Provider:", "1")
+        expect("Base URL [" + model.url + "]", "")
+        expect("API key", "sk-secret")
+        expect("Model (a number above", "2")
+        expect("In your editor", "")
+        _, status = os.waitpid(pid, 0)
+        os.close(master)
+        self.assertEqual(os.waitstatus_to_exitcode(status) if hasattr(os, "waitstatus_to_exitcode")
+                         else status >> 8, 0)
+        self.assertIn(b"ok (the model said: 'OK')", screen)
+        self.assertIn(b"2) m-two", screen)
+        path = os.path.join(home, ".qcr", "config.json")
+        self.assertEqual(stat_mode(path), 0o600)
+        with open(path) as f:
+            self.assertEqual(json.load(f), {"provider": "openai", "baseUrl": model.url,
+                                            "apiKey": "sk-secret", "model": "m-two"})
+        self.assertEqual(model.seen[-1][1]["authorization"], "Bearer sk-secret")
 
     def test_stdin_from_a_file_works_too(self):
         frames = os.path.join(tempfile.mkdtemp(prefix="qcr-frames-"), "frames.jsonl")
