@@ -982,6 +982,7 @@ class Session:
     cancelling: bool = False
     unsaved: bool = False                              # a save failed (told the user once)
     deleted: bool = False                              # session/delete: never save again
+    text_tools: bool = False          # the model takes no tool definitions: text protocol
     notice: str = ""                                   # said in the thread when reopened
     commands: Optional[list] = None                    # the slash commands last announced
     seen: dict = field(default_factory=dict)           # path -> digest of what qcr last read
@@ -3113,10 +3114,21 @@ async def run_turn(agent: Agent, session: Session, text: str, shown: str = "",
             if needs_compaction(agent, session):
                 await compact(agent, session, "", automatic=True)
             reply = Reply()
-            messages = [{"role": "system", "content": system_prompt(session)}]
-            messages += merge_user_turns(session.messages)
             tools = tool_specs(session.mode)
-            await provider.stream(messages, tools, reply, emit)
+            try:
+                messages = model_messages(agent, session, tools)
+                await provider.stream(messages, [] if session.text_tools else tools, reply, emit)
+            except ProviderError as e:
+                if not rejects_tools(e) or session.text_tools or reply.started:
+                    raise
+                session.text_tools = True     # a model without tool calls: the text protocol
+                emit("agent_message_chunk", f"[note] {session.model} does not take tool "
+                     "definitions, so qcr asks for tool calls as text instead.\n\n")
+                messages = model_messages(agent, session, tools)
+                await provider.stream(messages, [], reply, emit)
+            if session.text_tools:
+                reply.calls = text_tool_calls(reply.text)
+                reply.finish = "tool_calls" if reply.calls else reply.finish
             session.messages.append(reply.message())
             report_usage(agent, session, reply, messages, tools)
             agent.save(session)
@@ -3141,6 +3153,78 @@ async def run_turn(agent: Agent, session: Session, text: str, shown: str = "",
         close_open_calls(session.messages, "Not run: the user cancelled the turn.")
         agent.save(session)
         return "cancelled"
+
+
+def model_messages(agent: Agent, session: Session, tools: list) -> list:
+    """What goes to the model: the system prompt, then the conversation -- in the text
+    protocol's form when the model takes no tool definitions."""
+    system = system_prompt(session)
+    messages = merge_user_turns(session.messages)
+    if session.text_tools or agent.config.tool_protocol == "text":
+        session.text_tools = True
+        system += "\n\n" + text_tool_instructions(tools)
+        messages = as_text_protocol(messages)
+    return [{"role": "system", "content": system}] + messages
+
+
+# -- The text protocol for tool calls ------------------------------------------------------
+#
+# Some models (many small local ones) reject the `tools` parameter. For them qcr describes
+# the tools in the system prompt and reads calls out of the answer: a fenced block
+#     ```tool
+#     {"name": "ReadFile", "arguments": {"path": "app.py"}}
+#     ```
+# per call; results come back as user messages. qcr switches on its own when a server
+# answers 400 about tools, or always with toolProtocol: "text".
+
+TOOL_BLOCK = re.compile(r"```tool\s*\n(.*?)```", re.S)
+
+
+def rejects_tools(error: ProviderError) -> bool:
+    text = str(error).lower()
+    return error.status == 400 and "tool" in text and (
+        "support" in text or "not" in text or "unknown" in text or "invalid" in text)
+
+
+def text_tool_instructions(tools: list) -> str:
+    described = "\n".join(
+        f"- {t['function']['name']}: {t['function']['description'].splitlines()[0]} "
+        f"Arguments: {json.dumps(t['function']['parameters']['properties'])}" for t in tools)
+    return ("# Tools\nTo use a tool, write a fenced block tagged `tool` holding one JSON "
+            "object with the tool's name and arguments, then stop and wait for the result:"
+            "\n```tool\n{\"name\": \"ReadFile\", \"arguments\": {\"path\": \"README.md\"}}\n```"
+            "\nSeveral blocks make several calls. Results come back in the next message. "
+            "The tools:\n" + described)
+
+
+def text_tool_calls(text: str) -> list:
+    """The calls written as ```tool blocks, in the shape of streamed tool calls."""
+    calls = []
+    for block in TOOL_BLOCK.findall(text):
+        try:
+            call = loads(block.strip())
+        except ValueError:
+            call = repair_json(block.strip())
+        if isinstance(call, dict) and isinstance(call.get("name"), str):
+            arguments = call.get("arguments", {})
+            calls.append({"id": "call_" + os.urandom(6).hex(), "name": call["name"],
+                          "arguments": json.dumps(arguments if isinstance(arguments, dict)
+                                                  else {})})
+    return calls
+
+
+def as_text_protocol(messages: list) -> list:
+    """Tool calls stay in the assistant's text (where the model wrote them); results become
+    user messages."""
+    out = []
+    for message in messages:
+        if message.get("role") == "tool":
+            out.append({"role": "user", "content": f"[tool result]\n{message.get('content')}"})
+        elif message.get("role") == "assistant" and message.get("tool_calls"):
+            out.append({k: v for k, v in message.items() if k != "tool_calls"})
+        else:
+            out.append(message)
+    return merge_user_turns(out)
 
 
 def keep_partial(session: Session, reply: Optional[Reply]) -> None:
@@ -3592,6 +3676,7 @@ class Config:
     images: bool = True                          # send images (false: a text-only model)
     retry_budget: float = 30.0                   # seconds of retrying a busy or absent server
     send_reasoning: bool = False                 # send reasoning_content back (some servers want it)
+    tool_protocol: str = "native"                # "text": tools described in the prompt
     thinking_budget: int = 0                     # Anthropic extended thinking, tokens; 0 = off
     local_servers: list = field(default_factory=lambda: list(LOCAL_SERVERS))  # probed if unset
     config_file: str = ""                        # --config FILE, to read again on sign-in
@@ -3611,7 +3696,7 @@ CONFIG_KEYS = {    # config.json key -> (Config attribute, type)
     "contextWindow": ("context_window", int), "compactAt": ("compact_at", float),
     "images": ("images", bool), "retryBudget": ("retry_budget", float),
     "sendReasoning": ("send_reasoning", bool), "thinkingBudget": ("thinking_budget", int),
-    "localServers": ("local_servers", list),
+    "localServers": ("local_servers", list), "toolProtocol": ("tool_protocol", str),
 }
 ENV_KEYS = [       # environment variable -> config.json key; later ones win
     ("ANTHROPIC_BASE_URL", "anthropicBaseUrl"), ("ANTHROPIC_API_KEY", "anthropicApiKey"),
@@ -3623,7 +3708,7 @@ ENV_KEYS = [       # environment variable -> config.json key; later ones win
     ("QCR_COMPACT_AT", "compactAt"), ("QCR_IMAGES", "images"),
     ("QCR_PROVIDER", "provider"), ("QCR_RETRY_BUDGET", "retryBudget"),
     ("QCR_SEND_REASONING", "sendReasoning"), ("QCR_THINKING_BUDGET", "thinkingBudget"),
-    ("QCR_LOCAL_SERVERS", "localServers"),
+    ("QCR_LOCAL_SERVERS", "localServers"), ("QCR_TOOL_PROTOCOL", "toolProtocol"),
 ]
 LOCAL_SERVERS = ("http://127.0.0.1:11434/v1",   # Ollama
                  "http://127.0.0.1:8080/v1",    # llama.cpp's llama-server

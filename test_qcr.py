@@ -1477,6 +1477,32 @@ class TestProviderQuirks(AcpTestCase):
                 self.assertEqual(assistant.get("reasoning_content") == "hmm", sent)
                 self.model.close()
 
+    def test_a_model_without_tool_calls_gets_the_text_protocol(self):
+        self.write("a.txt", "alpha\n")
+        answers = [scripted_reply("Let me read it.\n```tool\n{\"name\": \"ReadFile\", "
+                                  "\"arguments\": {\"path\": \"a.txt\"}}\n```\n"),
+                   scripted_reply("It says alpha.")]
+
+        def model(body):
+            if "tools" in body:
+                return (400, {"error": {"message": "model gemma:2b does not support tools"}})
+            return answers.pop(0)
+        self.model = qcr.FakeModel(model)
+        agent = self.start()
+        response, updates, _ = self.prompt(agent, self.new_session(agent), "what is in a.txt?")
+        self.assertResult(response, {"stopReason": "end_turn"})
+        self.assertIn("[note] test-model does not take tool definitions", text_of(updates))
+        self.assertEqual([u["title"] for u in updates if u["sessionUpdate"] == "tool_call"],
+                         ["Read a.txt"])
+        last = self.model.requests[-1]
+        self.assertNotIn("tools", last)
+        self.assertIn("To use a tool, write a fenced block tagged `tool`",
+                      last["messages"][0]["content"])
+        self.assertEqual([m["role"] for m in last["messages"]],
+                         ["system", "user", "assistant", "user"])
+        self.assertEqual(last["messages"][3]["content"], "[tool result]\n     1\talpha")
+        self.assertTrue(text_of(updates).endswith("It says alpha."))
+
     def test_anthropic_messages_api(self):
         tool_use = [
             {"type": "message_start", "message": {"usage": {"input_tokens": 50}}},
