@@ -1903,20 +1903,21 @@ class Tool:
     changes: bool               # changes files or runs commands: needs permission
     title: Callable             # (args, ctx) -> the card's title
     modes: tuple = ()           # the modes that offer it to the model; () = all
+    web: bool = False           # needs the network: not offered when "web" is false
 
 
 TOOLS: dict = {}      # tool name as the model sees it -> Tool, filled by @tool
 
 
 def tool(name: str, kind: str, params: dict, *, required: tuple = (), changes: bool = False,
-         title: Optional[Callable] = None, modes: tuple = ()):
+         title: Optional[Callable] = None, modes: tuple = (), web: bool = False):
     """Register an async function as a tool the model can call."""
     import inspect
 
     def register(run):
         TOOLS[name] = Tool(name, kind, run, inspect.cleandoc(run.__doc__ or name),
                            {"type": "object", "properties": params, "required": list(required)},
-                           changes, title or (lambda args, ctx: name), modes)
+                           changes, title or (lambda args, ctx: name), modes, web)
         return run
     return register
 
@@ -1926,12 +1927,18 @@ def arg(type_name: str, description: str, **extra) -> dict:
     return {"type": type_name, "description": description, **extra}
 
 
-def tool_specs(mode: str) -> list:
+def tool_specs(mode: str, web: bool = True) -> list:
     """The tools as the model is offered them; plan mode offers only read-only ones."""
     return [{"type": "function", "function": {"name": t.name, "description": t.description,
                                               "parameters": t.parameters}}
-            for t in TOOLS.values()
-            if (not t.modes or mode in t.modes) and (mode != "plan" or not t.changes)]
+            for t in TOOLS.values() if offered(t, mode, web)]
+
+
+def offered(tool_: Tool, mode: str, web: bool = True) -> bool:
+    """Does the model get this tool in this mode? (Web tools only while the web is on.)"""
+    if tool_.web and not web:
+        return False
+    return (not tool_.modes or mode in tool_.modes) and (mode != "plan" or not tool_.changes)
 
 
 def check_args(tool_: Tool, args: Any) -> dict:
@@ -2918,6 +2925,189 @@ async def todo_write(ctx: ToolContext, todos: list):
                       f"progress, {counts['completed']} completed.", raw={"entries": entries})
 
 
+# -- Web ---------------------------------------------------------------------------------------
+#
+# WebFetch reads a page (HTML becomes text with its links kept); WebSearch asks a search
+# backend: SearXNG (a URL), Brave or Tavily (API keys), else DuckDuckGo's keyless HTML page.
+# "web": false in the configuration takes both away, for machines with no network.
+
+FETCH_BYTES = 2 << 20          # most of a page WebFetch reads
+FETCH_CHARS = 60_000           # most text it returns
+FETCH_TIMEOUT = 20             # seconds
+FETCH_REDIRECTS = 5
+
+
+def http_get(url: str, headers: Optional[dict] = None, data: Optional[bytes] = None,
+             limit: int = FETCH_BYTES) -> tuple:
+    """GET (or POST `data`) over http(s) only, redirects bounded and kept on http(s):
+    (final url, content type, body bytes). ToolError with the reason on failure."""
+    import urllib.error
+    import urllib.request
+    from urllib.parse import urlparse
+    if urlparse(url).scheme not in ("http", "https"):
+        raise ToolError(f"only http and https URLs can be fetched, not {url!r}")
+
+    class Redirects(urllib.request.HTTPRedirectHandler):
+        max_redirections = FETCH_REDIRECTS
+
+        def redirect_request(self, request, fp, code, message, headers, new_url):
+            if urlparse(new_url).scheme not in ("http", "https"):
+                raise ToolError(f"{url} redirected to {new_url}, which is not http(s)")
+            return super().redirect_request(request, fp, code, message, headers, new_url)
+    opener = urllib.request.build_opener(Redirects)
+    request = urllib.request.Request(url, data=data, headers={
+        "User-Agent": f"Mozilla/5.0 (compatible; qcr/{__version__})", **(headers or {})})
+    try:
+        with opener.open(request, timeout=FETCH_TIMEOUT) as response:
+            return (response.geturl(), response.headers.get("Content-Type", ""),
+                    response.read(limit))
+    except urllib.error.HTTPError as e:
+        raise ToolError(f"{url} answered HTTP {e.code} {e.reason}") from None
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise ToolError(f"cannot fetch {url}: {reason} (is this machine offline?)") from None
+
+
+def html_to_text(html: str, base: str) -> str:
+    """Readable text from HTML: scripts and styles dropped, blocks on their own lines,
+    headings and list items marked, links kept as [text](absolute url)."""
+    from html.parser import HTMLParser
+    from urllib.parse import urljoin
+
+    class Reader(HTMLParser):
+        BLOCKS = {"p", "div", "section", "article", "br", "tr", "table", "ul", "ol", "pre",
+                  "blockquote", "header", "footer", "main", "nav", "h1", "h2", "h3", "h4",
+                  "h5", "h6", "li", "dt", "dd"}
+
+        def __init__(self):
+            super().__init__(convert_charrefs=True)
+            self.out, self.skip, self.href, self.title = [], 0, None, ""
+            self.in_title = False
+
+        def handle_starttag(self, tag, attrs):
+            if tag in ("script", "style", "noscript", "svg", "template"):
+                self.skip += 1
+            elif tag == "title":
+                self.in_title = True
+            elif tag == "a":
+                self.href = dict(attrs).get("href")
+                self.out.append("[")
+            elif tag in self.BLOCKS:
+                self.out.append("\n" + ("#" * int(tag[1]) + " " if tag[0] == "h" and
+                                        tag[1:].isdigit() else "- " if tag == "li" else ""))
+
+        def handle_endtag(self, tag):
+            if tag in ("script", "style", "noscript", "svg", "template"):
+                self.skip = max(0, self.skip - 1)
+            elif tag == "title":
+                self.in_title = False
+            elif tag == "a":
+                href = self.href
+                self.out.append(f"]({urljoin(base, href)})" if href and
+                                not href.startswith(("#", "javascript:")) else "]")
+                self.href = None
+            elif tag in self.BLOCKS:
+                self.out.append("\n")
+
+        def handle_data(self, data):
+            if self.in_title:
+                self.title += data
+            elif not self.skip:
+                self.out.append(re.sub(r"\s+", " ", data))
+    reader = Reader()
+    reader.feed(html)
+    text = "".join(reader.out).replace("[]", "")
+    text = re.sub(r"\[\s*\]\([^)]*\)", "", text)
+    lines = [line.strip() for line in text.splitlines()]
+    text = re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
+    return (f"# {reader.title.strip()}\n\n" if reader.title.strip() else "") + text
+
+
+@tool("WebFetch", "fetch", {
+    "url": arg("string", "The http(s) URL"),
+}, required=("url",), title=lambda args, ctx: f"Fetch {args.get('url')}", web=True)
+async def web_fetch(ctx: ToolContext, url: str):
+    """Fetch a web page and read it as text (links kept as [text](url)). For documentation,
+    issues, release notes -- anything on the web."""
+    final, kind, data = await asyncio.to_thread(http_get, url.strip())
+    charset = re.search(r"charset=([\w-]+)", kind)
+    text = data.decode(charset.group(1) if charset else "utf-8", "replace")
+    if "html" in kind or text.lstrip()[:15].lower().startswith(("<!doctype", "<html")):
+        text = html_to_text(text, final)
+    elif not kind.startswith("text/") and "json" not in kind and "xml" not in kind and \
+            b"\0" in data[:4096]:
+        raise ToolError(f"{final} is not text ({kind or 'unknown type'}, {len(data)} bytes)")
+    if len(text) > FETCH_CHARS:
+        text = text[:FETCH_CHARS] + f"\n[... cut at {FETCH_CHARS} characters]"
+    return ToolResult(f"{final}\n\n{text}", [text_content(text[:2000])],
+                      {"url": final, "contentType": kind, "chars": len(text)})
+
+
+@tool("WebSearch", "search", {
+    "query": arg("string", "What to search for"),
+    "max_results": arg("integer", "How many results (default 5, at most 20)"),
+}, required=("query",), title=lambda args, ctx: f"Search the web for {args.get('query')}",
+    web=True)
+async def web_search(ctx: ToolContext, query: str, max_results: int = 5):
+    """Search the web. Results come as title, URL and snippet; read a result with WebFetch."""
+    count = max(1, min(max_results, 20))
+    results = await asyncio.to_thread(search_web, ctx.agent.config, query, count)
+    if not results:
+        return ToolResult(f"No results for {query!r}.", raw={"query": query, "results": []})
+    lines = [f"{i}. {r['title']}\n   {r['url']}\n   {r['snippet']}"
+             for i, r in enumerate(results[:count], 1)]
+    return ToolResult("\n".join(lines), [text_content("\n".join(lines))],
+                      {"query": query, "results": results[:count]})
+
+
+def search_web(config: Config, query: str, count: int) -> list:
+    """[{title, url, snippet}] from the configured backend."""
+    from urllib.parse import quote_plus
+    backend, key = config.search_backend, config.search_key
+    if not backend:
+        backend = "brave" if config.brave_key else "tavily" if config.tavily_key else \
+            "searxng" if config.searxng_url else "duckduckgo"
+    if backend == "searxng":
+        base = config.search_url or config.searxng_url.rstrip("/") + "/search"
+        _, _, data = http_get(f"{base}?q={quote_plus(query)}&format=json")
+        items = (loads(data).get("results") or [])
+        return [{"title": i.get("title", ""), "url": i.get("url", ""),
+                 "snippet": i.get("content", "")} for i in items[:count]]
+    if backend == "brave":
+        base = config.search_url or "https://api.search.brave.com/res/v1/web/search"
+        _, _, data = http_get(f"{base}?q={quote_plus(query)}&count={count}", headers={
+            "X-Subscription-Token": key or config.brave_key, "Accept": "application/json"})
+        items = ((loads(data).get("web") or {}).get("results") or [])
+        return [{"title": i.get("title", ""), "url": i.get("url", ""),
+                 "snippet": i.get("description", "")} for i in items[:count]]
+    if backend == "tavily":
+        base = config.search_url or "https://api.tavily.com/search"
+        _, _, data = http_get(base, headers={"Content-Type": "application/json"},
+                              data=json.dumps({"api_key": key or config.tavily_key,
+                                               "query": query, "max_results": count}).encode())
+        return [{"title": i.get("title", ""), "url": i.get("url", ""),
+                 "snippet": i.get("content", "")} for i in (loads(data).get("results") or [])]
+    base = config.search_url or "https://html.duckduckgo.com/html/"
+    _, _, data = http_get(f"{base}?q={quote_plus(query)}")
+    return duckduckgo_results(data.decode("utf-8", "replace"))[:count]
+
+
+def duckduckgo_results(html: str) -> list:
+    """Results from DuckDuckGo's keyless HTML page."""
+    from html import unescape
+    from urllib.parse import parse_qs, unquote, urlparse
+    results = []
+    for href, title, rest in re.findall(
+            r'<a[^>]+class="result__a"[^>]+href="([^"]+)"[^>]*>(.*?)</a>(.*?)(?=<a[^>]+class='
+            r'"result__a"|$)', html, re.S):
+        target = parse_qs(urlparse(unescape(href)).query).get("uddg", [unescape(href)])[0]
+        snippet = re.search(r'class="result__snippet"[^>]*>(.*?)</a>', rest, re.S)
+        strip = lambda text: unescape(re.sub(r"<[^>]+>", "", text)).strip()
+        results.append({"title": strip(title), "url": unquote(target),
+                        "snippet": strip(snippet.group(1)) if snippet else ""})
+    return results
+
+
 # -- Interaction -------------------------------------------------------------------------------
 
 @tool("AskUserQuestion", "other", {
@@ -3114,7 +3304,7 @@ async def run_turn(agent: Agent, session: Session, text: str, shown: str = "",
             if needs_compaction(agent, session):
                 await compact(agent, session, "", automatic=True)
             reply = Reply()
-            tools = tool_specs(session.mode)
+            tools = tool_specs(session.mode, agent.config.web)
             try:
                 messages = model_messages(agent, session, tools)
                 await provider.stream(messages, [] if session.text_tools else tools, reply, emit)
@@ -3250,9 +3440,9 @@ async def run_tool_call(agent: Agent, session: Session, call: dict) -> dict:
                                     locations, args if args is not None else call["arguments"]))
     ctx = ToolContext(agent, session, call_id, tool_, str(title))
     try:
-        if tool_ is None:
+        if tool_ is None or (tool_.web and not agent.config.web):
             raise ToolError(f"there is no tool named {call['name']!r}; the tools are "
-                            f"{', '.join(TOOLS)}.")
+                            f"{', '.join(t.name for t in TOOLS.values() if offered(t, session.mode, agent.config.web))}.")
         if bad_json is not None:
             raise ToolError(f"the arguments were not valid JSON ({bad_json}); send a JSON "
                             "object.")
@@ -3677,6 +3867,13 @@ class Config:
     retry_budget: float = 30.0                   # seconds of retrying a busy or absent server
     send_reasoning: bool = False                 # send reasoning_content back (some servers want it)
     tool_protocol: str = "native"                # "text": tools described in the prompt
+    web: bool = True                             # WebFetch and WebSearch offered
+    search_backend: str = ""                     # searxng, brave, tavily, duckduckgo; "" = first set
+    searxng_url: str = ""                        # a SearXNG instance
+    search_url: str = ""                         # the search endpoint, overriding the backend's
+    search_key: str = ""
+    brave_key: str = ""
+    tavily_key: str = ""
     thinking_budget: int = 0                     # Anthropic extended thinking, tokens; 0 = off
     local_servers: list = field(default_factory=lambda: list(LOCAL_SERVERS))  # probed if unset
     config_file: str = ""                        # --config FILE, to read again on sign-in
@@ -3697,6 +3894,10 @@ CONFIG_KEYS = {    # config.json key -> (Config attribute, type)
     "images": ("images", bool), "retryBudget": ("retry_budget", float),
     "sendReasoning": ("send_reasoning", bool), "thinkingBudget": ("thinking_budget", int),
     "localServers": ("local_servers", list), "toolProtocol": ("tool_protocol", str),
+    "web": ("web", bool), "searchBackend": ("search_backend", str),
+    "searxngUrl": ("searxng_url", str), "searchUrl": ("search_url", str),
+    "searchKey": ("search_key", str),
+    "braveApiKey": ("brave_key", str), "tavilyApiKey": ("tavily_key", str),
 }
 ENV_KEYS = [       # environment variable -> config.json key; later ones win
     ("ANTHROPIC_BASE_URL", "anthropicBaseUrl"), ("ANTHROPIC_API_KEY", "anthropicApiKey"),
@@ -3709,6 +3910,9 @@ ENV_KEYS = [       # environment variable -> config.json key; later ones win
     ("QCR_PROVIDER", "provider"), ("QCR_RETRY_BUDGET", "retryBudget"),
     ("QCR_SEND_REASONING", "sendReasoning"), ("QCR_THINKING_BUDGET", "thinkingBudget"),
     ("QCR_LOCAL_SERVERS", "localServers"), ("QCR_TOOL_PROTOCOL", "toolProtocol"),
+    ("QCR_WEB", "web"), ("SEARXNG_URL", "searxngUrl"), ("QCR_SEARCH_BACKEND", "searchBackend"),
+    ("QCR_SEARCH_URL", "searchUrl"), ("BRAVE_API_KEY", "braveApiKey"),
+    ("TAVILY_API_KEY", "tavilyApiKey"),
 ]
 LOCAL_SERVERS = ("http://127.0.0.1:11434/v1",   # Ollama
                  "http://127.0.0.1:8080/v1",    # llama.cpp's llama-server
@@ -3882,8 +4086,8 @@ class FakeModel:
         fake = self
         self.respond, self.requests = respond, []
         self.disconnects = 0     # replies the client hung up on (a cancelled turn)
-        self.routes: dict = {}   # GET path -> JSON answer; anything else is a 404
-        self.seen: list = []     # (path, headers) of each POST
+        self.routes: dict = {}   # GET path -> JSON, or (status, headers, bytes); else 404
+        self.seen: list = []     # (path, headers) of each request
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
@@ -3893,11 +4097,13 @@ class FakeModel:
                 fake.serve(self, body)
 
             def do_GET(self) -> None:
-                found = self.path in fake.routes
-                data = json.dumps(fake.routes.get(self.path, {"error": "not found"})).encode()
-                self.send_response(200 if found else 404)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
+                fake.seen.append((self.path, {k.lower(): v for k, v in self.headers.items()}))
+                answer = fake.routes.get(self.path.split("?")[0], (404, {}, b"not found"))
+                status, headers, data = answer if isinstance(answer, tuple) else (
+                    200, {"Content-Type": "application/json"}, json.dumps(answer).encode())
+                self.send_response(status)
+                for name, value in dict(headers, **{"Content-Length": str(len(data))}).items():
+                    self.send_header(name, value)
                 self.end_headers()
                 self.wfile.write(data)
 

@@ -1868,6 +1868,89 @@ class TestTools(AcpTestCase):
         self.assertClean(agent)       # no NaN was echoed in rawInput
 
 
+class TestWebTools(AcpTestCase):
+    PAGE = (b"<!DOCTYPE html><html><head><title>Release notes</title><style>p{}</style>"
+            b"<script>alert(1)</script></head><body><h1>Version 2</h1><p>Faster <b>and</b> "
+            b"safer.</p><ul><li>See <a href='/docs/start'>the guide</a></li></ul></body></html>")
+
+    def serve_page(self, routes):
+        server = qcr.FakeModel(lambda body: (200, {}))
+        server.routes.update(routes)
+        self.addCleanup(server.close)
+        self.site = server
+        return server.url.rsplit("/v1", 1)[0]
+
+    def test_web_fetch_reads_pages_and_refuses_what_it_should(self):
+        site = self.serve_page({
+            "/notes": (200, {"Content-Type": "text/html; charset=utf-8"}, self.PAGE),
+            "/moved": (302, {"Location": "/notes"}, b""),
+            "/sneaky": (302, {"Location": "file:///etc/passwd"}, b""),
+            "/ftp": (302, {"Location": "ftp://example.com/x"}, b""),
+            "/loop": (302, {"Location": "/loop"}, b""),
+            "/blob": (200, {"Content-Type": "application/octet-stream"}, b"\0\1\2" * 10)})
+        status, result, updates, _ = self.run_web("WebFetch", {"url": site + "/moved"})
+        self.assertEqual(status, "completed")
+        self.assertEqual(result, f"{site}/notes\n\n# Release notes\n\n# Version 2\n\n"
+                                 f"Faster and safer.\n\n- See [the guide]({site}/docs/start)")
+        self.assertEqual(updates[0]["kind"], "fetch")
+        for url, expected in ((site + "/sneaky", "is not allowed"),
+                              (site + "/ftp", "which is not http(s)"),
+                              (site + "/loop", "HTTP 302"), (site + "/blob", "is not text"),
+                              ("file:///etc/passwd", "only http and https"),
+                              ("http://127.0.0.1:9/", "is this machine offline?")):
+            with self.subTest(url=url):
+                status, result, _, _ = self.run_web("WebFetch", {"url": url})
+                self.assertEqual(status, "failed")
+                self.assertIn(expected, result)
+
+    def run_web(self, name, args, env=None):
+        self.fake_model(calls((name, args)), scripted_reply("ok"))
+        agent = self.start(env=env)
+        _, updates, _ = self.prompt(agent, self.new_session(agent), "go")
+        self.model.close()
+        status = list(final_status(updates).values())
+        return status[0], self.tool_messages(1)[0], tool_updates(updates), self.model.requests
+
+    def test_web_search_backends(self):
+        site = self.serve_page({
+            "/search": {"results": [{"title": "ACP", "url": "https://acp.example/",
+                                     "content": "The protocol."}]},
+            "/brave": {"web": {"results": [{"title": "Brave hit", "url": "https://b.example/",
+                                            "description": "From Brave."}]}},
+            "/ddg": (200, {"Content-Type": "text/html"},
+                     b'<a rel="nofollow" class="result__a" href="//duckduckgo.com/l/?uddg='
+                     b'https%3A%2F%2Fd.example%2Fpage&amp;rut=x">Duck <b>hit</b></a>'
+                     b'<a class="result__snippet" href="#">Keyless &amp; free.</a>')})
+        cases = [({"SEARXNG_URL": site}, "1. ACP\n   https://acp.example/\n   The protocol."),
+                 ({"BRAVE_API_KEY": "b-key", "QCR_SEARCH_URL": site + "/brave"},
+                  "1. Brave hit\n   https://b.example/\n   From Brave."),
+                 ({"QCR_SEARCH_URL": site + "/ddg"},
+                  "1. Duck hit\n   https://d.example/page\n   Keyless & free.")]
+        for env, expected in cases:
+            with self.subTest(env=env):
+                status, result, updates, _ = self.run_web("WebSearch", {"query": "acp"}, env)
+                self.assertEqual((status, result), ("completed", expected))
+                self.assertEqual(updates[0]["kind"], "search")
+        brave = [h for p, h in self.site.seen if p.startswith("/brave")]
+        self.assertEqual(brave[0]["x-subscription-token"], "b-key")
+
+    def test_tavily_and_the_web_switched_off(self):
+        tavily = qcr.FakeModel(lambda body: (200, {"results": [
+            {"title": "T", "url": "https://t.example/", "content": f"for {body['query']}"}]}))
+        self.addCleanup(tavily.close)
+        status, result, _, _ = self.run_web("WebSearch", {"query": "q"}, {
+            "TAVILY_API_KEY": "t-key", "QCR_SEARCH_URL": tavily.url + "/search"})
+        self.assertEqual(result, "1. T\n   https://t.example/\n   for q")
+        self.assertEqual(tavily.requests[0]["api_key"], "t-key")
+        status, result, _, requests = self.run_web("WebFetch", {"url": "https://x.example/"},
+                                                   {"QCR_WEB": "false"})
+        self.assertEqual(status, "failed")
+        self.assertIn("there is no tool named 'WebFetch'", result)
+        offered = [t["function"]["name"] for t in requests[0]["tools"]]
+        self.assertNotIn("WebFetch", offered)
+        self.assertNotIn("WebSearch", offered)
+
+
 class TestPermissionsAndModes(AcpTestCase):
     def test_reject_leaves_the_file_and_tells_the_model(self):
         self.write("a.txt", "old\n")
