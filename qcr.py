@@ -574,6 +574,7 @@ class Agent:
         self.sessions: dict = {}
         self.ledger = Ledger(os.path.join(config.home, "permissions.json"))
         self.searched = False        # looked for a local model server already
+        self.scheduler: Optional[asyncio.Future] = None    # runs due jobs (CronCreate)
         self.notice = ""             # what that search found, for the first session
 
     def client_can(self, *keys: str) -> bool:
@@ -600,8 +601,34 @@ class Agent:
 
     def update(self, session: Session, update: dict) -> None:
         """Send one session/update and keep it for replay on session/load."""
+        if session.origin:          # a scheduled turn: say so on every update
+            update = dict(update, _meta=session.origin)
         self.conn.notify("session/update", {"sessionId": session.id, "update": update})
         session.record(update)
+
+    def schedule(self) -> None:
+        """Make sure the scheduler runs while any open session has jobs."""
+        if self.scheduler is None or self.scheduler.done():
+            self.scheduler = asyncio.ensure_future(self.run_jobs())
+
+    async def run_jobs(self) -> None:
+        """Start each due job as a turn of its session once the session is idle."""
+        while any(s.jobs for s in self.sessions.values()):
+            now = time.time()
+            for session in list(self.sessions.values()):
+                due = [j for j in session.jobs if j["next"] <= now]
+                if not due or (session.turn is not None and not session.turn.done()):
+                    continue                      # nothing due, or a turn runs: wait
+                job = due[0]
+                if job["recurring"]:
+                    job["next"] = next_run(job["schedule"], now)
+                else:
+                    session.jobs.remove(job)
+                session.cancelling = False
+                session.turn = asyncio.ensure_future(
+                    run_job(self, session, {"source": "cron", "jobId": job["id"]},
+                            job["prompt"]))
+            await asyncio.sleep(JOB_TICK)
 
     def session(self, params: dict) -> Session:
         session_id = need(params, "sessionId")
@@ -765,6 +792,8 @@ class Agent:
                 self.update(session, message_chunk("agent_message_chunk", session.notice))
                 session.notice = ""
             self.announce_commands(session)
+            if session.jobs:
+                self.schedule()
             if session.context_used:
                 self.update(session, usage_update(session.context_used,
                                                   context_window(self.config, session.model)))
@@ -890,6 +919,8 @@ class Agent:
     @rpc("session/prompt")
     async def session_prompt(self, params: dict) -> dict:
         session = self.session(params)
+        if session.origin and session.turn is not None and not session.turn.done():
+            await asyncio.wait([session.turn])    # a scheduled turn runs: the user's comes next
         if session.turn is not None and not session.turn.done():
             raise RpcError.invalid_request(
                 f"session {session.id} is already running a turn; send session/cancel first")
@@ -930,6 +961,8 @@ class Agent:
     # -- shutdown -----------------------------------------------------------------------------
     async def shutdown(self) -> None:
         """At stdin EOF: cancel running turns, let them answer, stop children, save."""
+        if self.scheduler is not None:
+            self.scheduler.cancel()
         turns = [s.turn for s in self.sessions.values() if s.turn and not s.turn.done()]
         for session in self.sessions.values():
             session.cancel()
@@ -983,6 +1016,8 @@ class Session:
     unsaved: bool = False                              # a save failed (told the user once)
     deleted: bool = False                              # session/delete: never save again
     text_tools: bool = False          # the model takes no tool definitions: text protocol
+    jobs: list = field(default_factory=list)           # scheduled prompts (CronCreate)
+    origin: Optional[dict] = None     # {"source": "cron", ...} while a job's turn runs
     notice: str = ""                                   # said in the thread when reopened
     commands: Optional[list] = None                    # the slash commands last announced
     seen: dict = field(default_factory=dict)           # path -> digest of what qcr last read
@@ -1048,7 +1083,8 @@ class Session:
                 "updatedAt": iso_time(self.updated), "created": self.created,
                 "updated": self.updated, "contextUsed": self.context_used,
                 "messages": list(self.messages), "transcript": list(self.transcript),
-                "plan": list(self.plan), "allowed": dict(self.allowed)}
+                "plan": list(self.plan), "allowed": dict(self.allowed),
+                "jobs": [dict(j) for j in self.jobs]}
 
     @classmethod
     def from_json(cls, session_id: str, data: dict) -> Session:
@@ -1074,6 +1110,12 @@ class Session:
         dirs = data.get("additionalDirectories")
         session.additional_dirs = [d for d in dirs if isinstance(d, str)] \
             if isinstance(dirs, list) else []
+        jobs = data.get("jobs") if isinstance(data.get("jobs"), list) else []
+        session.jobs = [j for j in jobs if isinstance(j, dict) and isinstance(j.get("id"), str)
+                        and isinstance(j.get("schedule"), str) and isinstance(j.get("prompt"),
+                                                                              str)
+                        and isinstance(j.get("recurring"), bool)
+                        and isinstance(j.get("next"), (int, float))]
         latest_plan = [u for u in session.transcript if u["sessionUpdate"] == "plan"]
         session.plan = latest_plan[-1]["entries"] if latest_plan else []
         used = data.get("contextUsed")
@@ -3180,6 +3222,106 @@ async def exit_plan_mode(ctx: ToolContext, plan: str):
                       "plan.", shown, {"mode": "plan"})
 
 
+# -- Scheduling --------------------------------------------------------------------------------
+#
+# A job is a prompt the session runs later: at a five-field cron time ("0 9 * * 1-5") or
+# after an interval ("every 10m"), once or again and again. Jobs are saved with the session
+# and come back when it is reopened. When one is due and the session is idle, qcr runs it as
+# a turn of its own, streamed like any other, with "_meta": {"source": "cron", "jobId": ...}
+# on its updates; when a turn is running, the job waits for it.
+
+INTERVAL_RE = re.compile(r"(?:every\s+)?(\d+)\s*(s|sec|m|min|h|hr|d|day)s?", re.I)
+CRON_FIELDS = ((0, 59), (0, 23), (1, 31), (1, 12), (0, 6))   # minute hour day month weekday
+
+
+def cron_sets(expression: str) -> list:
+    """The five fields of a cron expression as sets of numbers; ValueError if malformed."""
+    fields = expression.split()
+    if len(fields) != 5:
+        raise ValueError("a cron expression has five fields: minute hour day month weekday")
+    sets = []
+    for text, (low, high) in zip(fields, CRON_FIELDS):
+        values: set = set()
+        for part in text.split(","):
+            body, _, step = part.partition("/")
+            first, last = (low, high) if body == "*" else (
+                (int(body.split("-")[0]), int(body.split("-")[1])) if "-" in body else
+                (int(body), high if step else int(body)))
+            if not low <= first <= last <= high + (1 if high == 6 else 0):
+                raise ValueError(f"{part!r} is out of range {low}-{high}")
+            values.update(v % 7 if high == 6 else v for v in range(first, last + 1,
+                                                                    int(step or 1)))
+        sets.append(values)
+    return sets
+
+
+def next_run(schedule: str, after: float) -> float:
+    """When a schedule next fires after `after` (epoch seconds, local time for cron)."""
+    interval = INTERVAL_RE.fullmatch(schedule.strip())
+    if interval:
+        unit = interval.group(2)[0].lower()
+        return after + int(interval.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[unit]
+    minutes, hours, days, months, weekdays = cron_sets(schedule)
+    restricted_days = len(days) < 31 and len(weekdays) < 7
+    moment = int(after // 60 + 1) * 60
+    for _ in range(366 * 24 * 60):
+        t = time.localtime(moment)
+        day_ok = (t.tm_mday in days or (t.tm_wday + 1) % 7 in weekdays) if restricted_days \
+            else (t.tm_mday in days and (t.tm_wday + 1) % 7 in weekdays)
+        if t.tm_min in minutes and t.tm_hour in hours and t.tm_mon in months and day_ok:
+            return float(moment)
+        moment += 60
+    raise ValueError("the schedule never fires within a year")
+
+
+def describe_job(job: dict) -> str:
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job["next"]))
+    return (f"{job['id']}: {job['schedule']} ({'recurring' if job['recurring'] else 'once'}), "
+            f"next at {when}: {job['prompt'][:80]}")
+
+
+@tool("CronCreate", "other", {
+    "schedule": arg("string", 'A five-field cron expression ("*/15 9-17 * * 1-5") or an '
+                              'interval ("every 10m", "30s", "2h", "1d")'),
+    "prompt": arg("string", "The prompt to run then, as if the user had sent it"),
+    "recurring": arg("boolean", "Run again and again (default true); false runs it once"),
+}, required=("schedule", "prompt"), title=lambda args, ctx: f"Schedule: {args.get('schedule')}")
+async def cron_create(ctx: ToolContext, schedule: str, prompt: str, recurring: bool = True):
+    """Schedule a prompt for later in this session: once, or on a repeating schedule."""
+    try:
+        upcoming = next_run(schedule, time.time())
+    except (ValueError, KeyError) as e:
+        raise ToolError(f"invalid schedule {schedule!r}: {e}") from None
+    if not prompt.strip():
+        raise ToolError("the prompt is empty")
+    job = {"id": "job-" + os.urandom(3).hex(), "schedule": schedule.strip(),
+           "prompt": prompt, "recurring": recurring, "next": upcoming}
+    ctx.session.jobs.append(job)
+    ctx.agent.schedule()
+    return ToolResult(f"Scheduled {describe_job(job)}", raw={"job": job})
+
+
+@tool("CronList", "other", {}, title=lambda args, ctx: "Scheduled prompts")
+async def cron_list(ctx: ToolContext):
+    """List this session's scheduled prompts."""
+    jobs = ctx.session.jobs
+    return ToolResult("\n".join(describe_job(j) for j in jobs) or "Nothing is scheduled.",
+                      raw={"jobs": jobs})
+
+
+@tool("CronDelete", "other", {
+    "id": arg("string", "The job's id, from CronCreate or CronList"),
+}, required=("id",), title=lambda args, ctx: f"Unschedule {args.get('id')}")
+async def cron_delete(ctx: ToolContext, id: str):
+    """Remove a scheduled prompt."""
+    jobs = ctx.session.jobs
+    if not any(j["id"] == id for j in jobs):
+        raise ToolError(f"no job {id!r}; the jobs are: "
+                        f"{', '.join(j['id'] for j in jobs) or 'none'}")
+    ctx.session.jobs[:] = [j for j in jobs if j["id"] != id]
+    return ToolResult(f"Removed {id}.", raw={"removed": id})
+
+
 # =============================================================================================
 # 6. Agent loop: one prompt turn
 # =============================================================================================
@@ -3277,7 +3419,9 @@ async def run_turn(agent: Agent, session: Session, text: str, shown: str = "",
             {"type": "image_url", "image_url": {"url": f"data:{i['mimeType']};base64,{i['data']}"}}
             for i in images]
     session.messages.append({"role": "user", "content": content})
-    if shown or text:
+    if session.origin:      # nobody typed it: show it as it starts
+        agent.update(session, message_chunk("user_message_chunk", shown or text))
+    elif shown or text:
         session.record(message_chunk("user_message_chunk", shown or text))
     for image in images:
         session.record({"sessionUpdate": "user_message_chunk", "content": image})
@@ -3343,6 +3487,19 @@ async def run_turn(agent: Agent, session: Session, text: str, shown: str = "",
         close_open_calls(session.messages, "Not run: the user cancelled the turn.")
         agent.save(session)
         return "cancelled"
+
+
+JOB_TICK = 0.5                 # seconds between looks at the scheduled jobs
+
+
+async def run_job(agent: Agent, session: Session, origin: dict, prompt: str) -> str:
+    """A scheduled prompt's turn: the prompt shown as the user's, every update marked."""
+    session.origin = origin
+    try:
+        return await run_prompt(agent, session, prompt)
+    finally:
+        session.origin = None
+        agent.save(session)
 
 
 def model_messages(agent: Agent, session: Session, tools: list) -> list:

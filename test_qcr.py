@@ -1951,6 +1951,97 @@ class TestWebTools(AcpTestCase):
         self.assertNotIn("WebSearch", offered)
 
 
+class TestScheduledPrompts(AcpTestCase):
+    def cron_frames(self, agent, count, timeout=10):
+        """The next `count` updates of scheduled turns (they come with no prompt of ours)."""
+        found = []
+        deadline = time.monotonic() + timeout
+        while len(found) < count:
+            frame = agent.recv(max(0.1, deadline - time.monotonic()))
+            update = frame.get("params", {}).get("update", {})
+            if update.get("_meta", {}).get("source") == "cron":
+                found.append(update)
+        return found
+
+    def test_a_job_fires_on_an_idle_session_marked_as_cron(self):
+        def model(body):
+            said = [m["content"] for m in body["messages"] if m["role"] == "user"]
+            if said[-1] == "cron ping":
+                return scripted_reply("Pong from cron.")
+            if body["messages"][-1]["role"] == "user":
+                return calls(("CronCreate", {"schedule": "every 1s", "prompt": "cron ping",
+                                             "recurring": False}),
+                             ("CronCreate", {"schedule": "every banana", "prompt": "x"}))
+            return scripted_reply("Scheduled.")
+        self.model = qcr.FakeModel(model)
+        agent = self.start()
+        session_id = self.new_session(agent)
+        _, updates, _ = self.prompt(agent, session_id, "remind me in a second")
+        self.assertEqual(list(final_status(updates).values()), ["completed", "failed"])
+        self.assertIn("invalid schedule 'every banana'", self.tool_messages(1)[1])
+        fired = self.cron_frames(agent, 2)
+        job_id = fired[0]["_meta"]["jobId"]
+        self.assertRegex(job_id, r"^job-[0-9a-f]{6}$")
+        self.assertEqual(fired[0]["sessionUpdate"], "user_message_chunk")
+        self.assertEqual(fired[0]["content"]["text"], "cron ping")
+        rest = self.cron_frames(agent, 1)
+        while text_of(fired + rest) != "Pong from cron.":
+            rest += self.cron_frames(agent, 1)
+        self.assertTrue(all(u["_meta"] == {"source": "cron", "jobId": job_id}
+                            for u in fired + rest))
+        time.sleep(1.5)                                  # once means once: no second start
+        later = [f["params"]["update"] for f in list(agent.frames.queue) if f and
+                 f.get("params", {}).get("update", {}).get("sessionUpdate") ==
+                 "user_message_chunk"]
+        self.assertEqual(later, [])
+        self.assertClean(agent)
+
+    def test_jobs_are_saved_and_come_back_and_can_be_deleted(self):
+        def model(body):
+            last = body["messages"][-1]
+            said = [m["content"] for m in body["messages"] if m["role"] == "user"]
+            if last["role"] == "tool":
+                return scripted_reply("Done.")
+            if said[-1] == "schedule it":
+                return calls(("CronCreate", {"schedule": "0 0 1 1 *", "prompt": "new year"}))
+            if said[-1] == "what is scheduled?":
+                return calls(("CronList", {}))
+            return calls(("CronDelete", {"id": said[-1].split()[-1]}))
+        self.model = qcr.FakeModel(model)
+        agent = self.start()
+        session_id = self.new_session(agent)
+        self.prompt(agent, session_id, "schedule it")
+        job_id = re.search(r"job-[0-9a-f]{6}", self.tool_messages(1)[0]).group(0)
+        agent.close()
+        agent = self.start()
+        agent.call("initialize", {"protocolVersion": 1})
+        agent.call("session/load", {"sessionId": session_id, "cwd": self.project,
+                                    "mcpServers": []})
+        self.prompt(agent, session_id, "what is scheduled?")
+        listed = self.tool_messages(-1)[-1]
+        self.assertIn(f"{job_id}: 0 0 1 1 * (recurring), next at ", listed)
+        self.assertIn("-01-01 00:00:00: new year", listed)
+        self.prompt(agent, session_id, f"delete {job_id}")
+        self.assertEqual(self.tool_messages(-1)[-1], f"Removed {job_id}.")
+        self.prompt(agent, session_id, "what is scheduled?")
+        self.assertEqual(self.tool_messages(-1)[-1], "Nothing is scheduled.")
+
+    def test_cron_expressions(self):
+        base = time.mktime((2026, 12, 2, 11, 59, 30, 0, 0, -1))     # a Wednesday
+        for expression, expected in (("*/15 * * * *", (2026, 12, 2, 12, 0)),
+                                     ("0 9 * * 1-5", (2026, 12, 3, 9, 0)),
+                                     ("30 2 1 * *", (2027, 1, 1, 2, 30)),
+                                     ("0 12 * * 0", (2026, 12, 6, 12, 0)),
+                                     ("0 12 * * 7", (2026, 12, 6, 12, 0))):
+            with self.subTest(expression=expression):
+                fires = time.localtime(qcr.next_run(expression, base))
+                self.assertEqual(tuple(fires)[:5], expected)
+        self.assertEqual(qcr.next_run("every 10m", base), base + 600)
+        for bad in ("* * *", "61 * * * *", "0 0 31 2 *"):
+            with self.subTest(bad=bad), self.assertRaises(ValueError):
+                qcr.next_run(bad, base)
+
+
 class TestPermissionsAndModes(AcpTestCase):
     def test_reject_leaves_the_file_and_tells_the_model(self):
         self.write("a.txt", "old\n")
