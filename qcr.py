@@ -20,9 +20,10 @@ Reading guide -- the file reads top to bottom as a lesson in the protocol
     4. Providers    the OpenAI-compatible streaming client, SSE parsing, ProviderError
     5. Tools        the tool registry and the tools: files, search, shell, planning
     6. Agent loop   run_turn(): model -> tool calls -> permission -> results -> model ...
-    7. Config       Config and load_config(): file, environment, precedence
-    8. Self-test    a scripted model server and a client that drives `qcr.py --acp`
-    9. CLI          main()
+    7. MCP          the client for MCP servers (stdio, streamable HTTP, SSE) and plugins
+    8. Config       Config and load_config(): file, environment, precedence
+    9. Client side  headless -p, --client, the self-test and its scripted model server
+   10. CLI          main()
 
 Files qcr writes (all under ~/.qcr/):
     sessions/<sessionId>.json   each session, rewritten atomically after every step
@@ -668,7 +669,7 @@ class Agent:
             "agentCapabilities": {
                 "loadSession": True,
                 "promptCapabilities": {"image": True, "audio": False, "embeddedContext": True},
-                "mcpCapabilities": {"http": False, "sse": False},
+                "mcpCapabilities": {"http": True, "sse": True},
                 "sessionCapabilities": {"list": {}, "resume": {}, "close": {}, "delete": {},
                                         "additionalDirectories": {}},
             },
@@ -788,6 +789,8 @@ class Agent:
         these are queued to run right after the response goes out.
         """
         def send() -> None:
+            if session.mcp_ready is None:        # the session's MCP servers, in the background
+                session.mcp_ready = asyncio.ensure_future(self.start_mcp(session))
             if session.notice:
                 self.update(session, message_chunk("agent_message_chunk", session.notice))
                 session.notice = ""
@@ -798,6 +801,66 @@ class Agent:
                 self.update(session, usage_update(session.context_used,
                                                   context_window(self.config, session.model)))
         asyncio.get_running_loop().call_soon(send)
+
+    async def start_mcp(self, session: Session) -> None:
+        """Start the session's MCP servers together; say once which ones failed."""
+        starting = []
+        for name, spec, approval in session_mcp_specs(self.config, session.cwd,
+                                                      session.mcp_servers):
+            if approval and not await self.approve_server(session, name, spec):
+                continue
+            server = session.mcp[name] = McpServer(name, spec, self.config)
+            starting.append(server.start())
+        if starting:
+            await asyncio.wait(starting)
+        for server in session.mcp.values():
+            if server.error:
+                self.update(session, message_chunk(
+                    "agent_message_chunk", f"[mcp] the server {server.name} did not start, "
+                    f"so its tools are missing: {server.error}\n\n"))
+
+    async def approve_server(self, session: Session, name: str, spec: dict) -> bool:
+        """A project plugin's server runs only once the user approved its exact command."""
+        line = " ".join([spec["command"]] + spec.get("args", []))
+        key = f"mcp-command:{line}"
+        remembered = self.ledger.lookup(session, key)
+        if remembered is not None:
+            return remembered
+        call_id = "mcp-" + os.urandom(6).hex()
+        title = f"Start the project plugin's MCP server {name}: {line}"
+        self.update(session, tool_call(call_id, title, "execute", [{"path": spec["cwd"]}],
+                                       {"command": spec["command"], "args": spec["args"]}))
+        ctx = ToolContext(self, session, call_id, None, title)
+        choice = await ctx.choose([text_content(f"$ {line}\n(in {spec['cwd']})")], [
+            ("allow_once", "Allow this time", "allow_once"),
+            ("allow_project", "Always allow this command in this project", "allow_always"),
+            ("reject_once", "Do not start it", "reject_once"),
+            ("reject_project", "Never start it in this project", "reject_always")])
+        allowed = bool(choice and choice.startswith("allow"))
+        if choice in ("allow_project", "reject_project"):
+            self.ledger.remember(session, "project", key, allowed, f"the MCP server `{line}`")
+        self.update(session, tool_call_update(call_id, status="completed" if allowed else
+                                              "failed", content=[text_content(
+                                                  "Started." if allowed else "Not started.")]))
+        return allowed
+
+    def mcp_tools(self, session: Session) -> dict:
+        """The session's MCP tools by the name the model calls them."""
+        tools = {}
+        for server in session.mcp.values():   # a stopped server restarts on its next call
+            if server.tools:
+                for spec in server.tools:
+                    made = mcp_tool(server, spec)
+                    tools[made.name] = made
+        return tools
+
+    async def stop_mcp(self, session: Session) -> None:
+        if session.mcp_ready is not None and not session.mcp_ready.done():
+            session.mcp_ready.cancel()
+        servers = list(session.mcp.values())
+        session.mcp.clear()
+        if servers:
+            await asyncio.wait([asyncio.ensure_future(s.stop()) for s in servers], timeout=5)
 
     def announce_commands(self, session: Session) -> None:
         """Send available_commands_update if the set differs from what was last sent."""
@@ -837,6 +900,7 @@ class Agent:
         if turn is not None and not turn.done():
             await asyncio.wait([turn], timeout=SHUTDOWN_GRACE)
         self.sessions.pop(session.id, None)
+        await self.stop_mcp(session)
         return {}
 
     @rpc("session/delete")
@@ -846,6 +910,7 @@ class Agent:
         if session is not None:
             session.deleted = True
             session.cancel()
+            await self.stop_mcp(session)
         existed = await self.store.run(self.store.delete, session_id)  # after queued saves
         if not existed and session is None:
             raise RpcError.resource_not_found(f"no session {session_id}", sessionId=session_id)
@@ -972,6 +1037,8 @@ class Agent:
             self.conn.cancel_pending()
             if self.conn.tasks:
                 await asyncio.wait(list(self.conn.tasks), timeout=0.3)
+        for session in list(self.sessions.values()):
+            await self.stop_mcp(session)
         await asyncio.get_running_loop().run_in_executor(None, self.store.flush)
 
 
@@ -1006,7 +1073,9 @@ class Session:
     messages: list = field(default_factory=list)       # the model's context
     transcript: list = field(default_factory=list)     # the user's view, for replay
     additional_dirs: list = field(default_factory=list)   # more project folders (roots)
-    mcp_servers: list = field(default_factory=list)    # kept; connecting is not built yet
+    mcp_servers: list = field(default_factory=list)    # as the editor sent them
+    mcp: dict = field(default_factory=dict)            # name -> McpServer (running ones)
+    mcp_ready: Optional[asyncio.Future] = None         # the servers' start-up
     allowed: dict = field(default_factory=dict)        # "always" answers: key -> decision
     plan: list = field(default_factory=list)           # the latest plan entries
     context_used: int = 0         # tokens in the model's context at the last model call
@@ -1969,11 +2038,13 @@ def arg(type_name: str, description: str, **extra) -> dict:
     return {"type": type_name, "description": description, **extra}
 
 
-def tool_specs(mode: str, web: bool = True) -> list:
-    """The tools as the model is offered them; plan mode offers only read-only ones."""
+def tool_specs(mode: str, web: bool = True, extra: Optional[dict] = None) -> list:
+    """The tools as the model is offered them (qcr's and `extra`, a session's MCP tools);
+    plan mode offers only read-only ones."""
+    every = list(TOOLS.values()) + list((extra or {}).values())
     return [{"type": "function", "function": {"name": t.name, "description": t.description,
                                               "parameters": t.parameters}}
-            for t in TOOLS.values() if offered(t, mode, web)]
+            for t in every if offered(t, mode, web)]
 
 
 def offered(tool_: Tool, mode: str, web: bool = True) -> bool:
@@ -1999,8 +2070,11 @@ def check_args(tool_: Tool, args: Any) -> dict:
 
 
 def coerce(name: str, value: Any, spec: dict) -> Any:
-    """Accept what weak models send -- "10" for 10, "true" for true -- and nothing worse."""
-    kind = spec["type"]
+    """Accept what weak models send -- "10" for 10, "true" for true -- and nothing worse.
+    (A schema richer than one plain type, as MCP tools may have, is left to the tool.)"""
+    kind = spec.get("type") if isinstance(spec, dict) else None
+    if kind not in ("integer", "boolean", "array", "object", "string"):
+        return value
     if kind == "integer":
         if isinstance(value, str) and re.fullmatch(r"-?\d+", value.strip()):
             value = int(value)
@@ -3337,7 +3411,7 @@ CONTEXT_FILES = ("QCR.md", "AGENTS.md", "CLAUDE.md")
 CONTEXT_FILE_CHARS = 64 * 1024      # most of one context file that goes into the prompt
 
 
-def system_prompt(session: Session) -> str:
+def system_prompt(agent: Agent, session: Session) -> str:
     """The instructions: who qcr is, where it works, the mode, and the project's own notes."""
     parts = [
         f"You are qcr, a coding agent working in the project at {session.cwd} through the "
@@ -3354,13 +3428,16 @@ def system_prompt(session: Session) -> str:
         text = read_context_file(os.path.join(session.cwd, name))
         if text:
             parts.append(f"# {name} (project instructions)\n{text}")
-    steering = os.path.join(session.cwd, ".qcr", "steering")
-    if os.path.isdir(steering):
-        for name in sorted(os.listdir(steering)):
-            if name.endswith(".md"):
-                text = read_context_file(os.path.join(steering, name))
-                if text:
-                    parts.append(f"# Steering: {name}\n{text}")
+    folders = [os.path.join(session.cwd, ".qcr")] + [
+        folder for folder, _, _ in plugins(agent.config, session.cwd)]
+    for folder in folders:
+        steering = os.path.join(folder, "steering")
+        if os.path.isdir(steering):
+            for name in sorted(os.listdir(steering)):
+                if name.endswith(".md"):
+                    text = read_context_file(os.path.join(steering, name))
+                    if text:
+                        parts.append(f"# Steering: {name}\n{text}")
     return "\n\n".join(parts)
 
 
@@ -3448,7 +3525,7 @@ async def run_turn(agent: Agent, session: Session, text: str, shown: str = "",
             if needs_compaction(agent, session):
                 await compact(agent, session, "", automatic=True)
             reply = Reply()
-            tools = tool_specs(session.mode, agent.config.web)
+            tools = tool_specs(session.mode, agent.config.web, agent.mcp_tools(session))
             try:
                 messages = model_messages(agent, session, tools)
                 await provider.stream(messages, [] if session.text_tools else tools, reply, emit)
@@ -3505,7 +3582,7 @@ async def run_job(agent: Agent, session: Session, origin: dict, prompt: str) -> 
 def model_messages(agent: Agent, session: Session, tools: list) -> list:
     """What goes to the model: the system prompt, then the conversation -- in the text
     protocol's form when the model takes no tool definitions."""
-    system = system_prompt(session)
+    system = system_prompt(agent, session)
     messages = merge_user_turns(session.messages)
     if session.text_tools or agent.config.tool_protocol == "text":
         session.text_tools = True
@@ -3583,7 +3660,7 @@ def keep_partial(session: Session, reply: Optional[Reply]) -> None:
 async def run_tool_call(agent: Agent, session: Session, call: dict) -> dict:
     """Announce, check, approve, run and report one tool call; returns the tool message."""
     call_id = "call-" + os.urandom(6).hex()
-    tool_ = TOOLS.get(call["name"])
+    tool_ = TOOLS.get(call["name"]) or agent.mcp_tools(session).get(call["name"])
     try:
         args, bad_json = loads(call["arguments"] or "{}"), None
     except ValueError as e:
@@ -3598,8 +3675,10 @@ async def run_tool_call(agent: Agent, session: Session, call: dict) -> dict:
     ctx = ToolContext(agent, session, call_id, tool_, str(title))
     try:
         if tool_ is None or (tool_.web and not agent.config.web):
+            names = [t["function"]["name"] for t in tool_specs(
+                session.mode, agent.config.web, agent.mcp_tools(session))]
             raise ToolError(f"there is no tool named {call['name']!r}; the tools are "
-                            f"{', '.join(t.name for t in TOOLS.values() if offered(t, session.mode, agent.config.web))}.")
+                            f"{', '.join(names)}.")
         if bad_json is not None:
             raise ToolError(f"the arguments were not valid JSON ({bad_json}); send a JSON "
                             "object.")
@@ -3868,9 +3947,13 @@ INIT_PROMPT = (
 
 
 def find_commands(config: Config, cwd: str) -> dict:
-    """Built-ins, then user commands, then project commands (a project one wins a name)."""
+    """Built-ins, then user commands, plugins' commands, and project commands (a later one
+    wins a name; a built-in always does)."""
     commands = {c.name: c for c in BUILTIN_COMMANDS}
-    for folder in (os.path.join(config.home, "commands"), os.path.join(cwd, ".qcr", "commands")):
+    folders = [os.path.join(config.home, "commands")] + \
+        [os.path.join(folder, "commands") for folder, _, _ in plugins(config, cwd)] + \
+        [os.path.join(cwd, ".qcr", "commands")]
+    for folder in folders:
         try:
             names = sorted(os.listdir(folder))
         except OSError:
@@ -3904,7 +3987,10 @@ def read_command(path: str, name: str) -> Optional[Command]:
 
 
 async def run_prompt(agent: Agent, session: Session, text: str, images: list = ()) -> str:
-    """A prompt is a slash command, or a turn for the model."""
+    """A prompt is a slash command, or a turn for the model. The session's MCP servers get
+    a bounded wait to finish starting, so a turn never begins with half its tools."""
+    if session.mcp_ready is not None and not session.mcp_ready.done():
+        await asyncio.wait([session.mcp_ready], timeout=agent.config.mcp_start_timeout)
     match = re.match(r"/([A-Za-z0-9][\w.-]*)(?:\s+(.*))?\Z", text.strip(), re.S)
     command = find_commands(agent.config, session.cwd).get(match.group(1)) if match else None
     if command is None:
@@ -3999,7 +4085,492 @@ BUILTIN_NAMES = {c.name for c in BUILTIN_COMMANDS}
 
 
 # =============================================================================================
-# 7. Config: where the model server is, and the limits
+# 7. MCP: the tools of other programs
+# =============================================================================================
+#
+# The editor hands qcr MCP servers in session/new (Zed passes the user's "context servers"),
+# and ~/.qcr/mcp.json and plugins add more. qcr is their client: it speaks MCP's JSON-RPC --
+# over a child's stdin/stdout (section 1's Connection again), over streamable HTTP, or over
+# the older HTTP+SSE transport -- lists their tools, and offers them to the model as
+# mcp__<server>__<tool>. Their calls go through the same tool-call cards and permission
+# path as qcr's own tools; a tool that says it is read-only needs no approval.
+#
+#   -> {"jsonrpc":"2.0","id":0,"method":"initialize","params":{"protocolVersion":...}}
+#   -> {"jsonrpc":"2.0","method":"notifications/initialized"}
+#   -> {"jsonrpc":"2.0","id":1,"method":"tools/list","params":{}}
+
+MCP_VERSIONS = ("2025-06-18", "2025-03-26", "2024-11-05")   # newest first
+MCP_ENV = ("HOME", "LOGNAME", "PATH", "SHELL", "TERM", "USER", "LANG", "LC_ALL", "TMPDIR",
+           "SYSTEMROOT")    # what a stdio server inherits from qcr's environment
+
+
+class McpError(Exception):
+    """An MCP server failed: could not start, crashed, timed out, or answered an error."""
+
+
+class StdioTransport:
+    """A server as a child process: JSON-RPC lines on its stdin and stdout."""
+
+    def __init__(self, name: str, spec: dict):
+        self.name, self.spec = name, spec
+        self.proc: Any = None
+        self.conn: Optional[Connection] = None
+        self.reading: Optional[asyncio.Future] = None
+
+    async def open(self, on_notification: Callable) -> None:
+        import subprocess
+        env = {k: v for k, v in os.environ.items() if k in MCP_ENV}
+        env.update(self.spec.get("env") or {})
+        log_file = open(os.path.join(os.path.expanduser("~"), ".qcr", "qcr.log"), "ab") \
+            if os.path.isdir(os.path.join(os.path.expanduser("~"), ".qcr")) else None
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                self.spec["command"], *self.spec.get("args", []), env=env,
+                cwd=self.spec.get("cwd"), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=log_file or subprocess.DEVNULL, limit=MAX_FRAME_BYTES)
+        except OSError as e:
+            raise McpError(f"cannot start {self.spec['command']}: {e.strerror or e}") from None
+        finally:
+            if log_file:
+                log_file.close()
+
+        async def refuse(method: str, params: dict) -> Any:     # no roots, no sampling
+            raise RpcError.method_not_found(method)
+        self.conn = Connection(self.proc.stdin.write, refuse, on_notification)
+        self.reading = asyncio.ensure_future(self.conn.serve(self.proc.stdout))
+        self.reading.add_done_callback(lambda _: self.conn.cancel_pending())
+
+    async def request(self, method: str, params: dict) -> Any:
+        if self.reading is None or self.reading.done():
+            raise McpError(f"the server {self.name} has exited")
+        try:
+            return await self.conn.request(method, params)
+        except asyncio.CancelledError:
+            if self.reading.done():
+                raise McpError(f"the server {self.name} exited mid-call") from None
+            raise
+
+    def notify(self, method: str, params: dict) -> None:
+        if self.conn is not None and self.reading is not None and not self.reading.done():
+            self.conn.notify(method, params)
+
+    async def close(self) -> None:
+        """The MCP SDK's order: close stdin, wait a moment, terminate, wait, kill."""
+        proc = self.proc
+        if proc is None or proc.returncode is not None:
+            return
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
+        for stop in (None, proc.terminate, proc.kill):
+            if stop:
+                try:
+                    stop()
+                except ProcessLookupError:
+                    return
+            try:
+                await asyncio.wait_for(proc.wait(), 1.0)
+                return
+            except asyncio.TimeoutError:
+                continue
+
+
+class HttpTransport:
+    """Streamable HTTP: each message a POST; the answer JSON or a short SSE stream. The
+    server's Mcp-Session-Id is kept and sent back."""
+
+    def __init__(self, name: str, spec: dict):
+        self.name, self.spec, self.session_id, self.next_id = name, spec, None, 0
+        self.on_notification: Callable = lambda method, params: None
+        self.version = ""
+
+    async def open(self, on_notification: Callable) -> None:
+        self.on_notification = on_notification
+
+    def post(self, message: dict) -> Any:
+        """One POST (in a thread): the response to `message`, or None for a notification."""
+        import urllib.error
+        import urllib.request
+        headers = {"Content-Type": "application/json",
+                   "Accept": "application/json, text/event-stream",
+                   **(self.spec.get("headers") or {})}
+        if self.session_id:
+            headers["Mcp-Session-Id"] = self.session_id
+        if self.version:
+            headers["MCP-Protocol-Version"] = self.version
+        request = urllib.request.Request(self.spec["url"], json.dumps(message).encode(),
+                                         headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=MCP_HTTP_TIMEOUT) as response:
+                self.session_id = response.headers.get("Mcp-Session-Id") or self.session_id
+                if "id" not in message or response.status == 202:
+                    return None
+                if "text/event-stream" in response.headers.get("Content-Type", ""):
+                    for data in parse_sse(response):
+                        reply = loads(data)
+                        if reply.get("id") == message["id"] and "method" not in reply:
+                            return reply
+                        if "method" in reply and "id" not in reply:
+                            self.on_notification(reply["method"], reply.get("params") or {})
+                    raise McpError(f"{self.name} ended its stream without an answer")
+                return loads(response.read())
+        except urllib.error.HTTPError as e:
+            raise McpError(f"{self.name} answered HTTP {e.code} {e.reason}") from None
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            raise McpError(f"cannot reach {self.spec['url']}: {getattr(e, 'reason', e)}") \
+                from None
+
+    async def request(self, method: str, params: dict) -> Any:
+        request_id, self.next_id = self.next_id, self.next_id + 1
+        reply = await asyncio.to_thread(self.post, {"jsonrpc": "2.0", "id": request_id,
+                                                    "method": method, "params": params})
+        return answer_of(reply, self.name)
+
+    def notify(self, method: str, params: dict) -> None:
+        message = {"jsonrpc": "2.0", "method": method, "params": params}
+        asyncio.ensure_future(asyncio.to_thread(self.post, message)).add_done_callback(
+            lambda f: f.cancelled() or f.exception())
+
+    async def close(self) -> None:
+        pass
+
+
+class SseTransport:
+    """The older HTTP+SSE transport: a GET stream whose first event names the URL to POST
+    to; every answer comes back on the stream."""
+
+    def __init__(self, name: str, spec: dict):
+        self.name, self.spec, self.next_id = name, spec, 0
+        self.pending: dict = {}
+        self.endpoint: Optional[str] = None
+        self.stream: Any = None
+        self.on_notification: Callable = lambda method, params: None
+
+    async def open(self, on_notification: Callable) -> None:
+        import urllib.request
+        from urllib.parse import urljoin
+        self.on_notification = on_notification
+        loop = asyncio.get_running_loop()
+        ready = loop.create_future()
+
+        def read() -> None:
+            try:
+                request = urllib.request.Request(self.spec["url"], headers={
+                    "Accept": "text/event-stream", **(self.spec.get("headers") or {})})
+                self.stream = urllib.request.urlopen(request, timeout=MCP_HTTP_TIMEOUT)
+                event = ""
+                data: list = []
+                for raw in self.stream:
+                    line = raw.decode("utf-8", "replace").rstrip("\r\n")
+                    if line.startswith("event:"):
+                        event = line[6:].strip()
+                    elif line.startswith("data:"):
+                        data.append(line[5:].lstrip())
+                    elif not line and data:
+                        text, data = "\n".join(data), []
+                        if event == "endpoint":
+                            endpoint = urljoin(self.spec["url"], text)
+                            loop.call_soon_threadsafe(
+                                lambda: ready.done() or ready.set_result(endpoint))
+                        else:
+                            loop.call_soon_threadsafe(self.receive, text)
+                        event = ""
+            except Exception as e:
+                loop.call_soon_threadsafe(lambda: ready.done() or ready.set_exception(
+                    McpError(f"cannot reach {self.spec['url']}: {getattr(e, 'reason', e)}")))
+            loop.call_soon_threadsafe(self.lost)
+        threading.Thread(target=read, daemon=True).start()
+        self.endpoint = await asyncio.wait_for(ready, MCP_HTTP_TIMEOUT)
+
+    def receive(self, text: str) -> None:
+        try:
+            message = loads(text)
+        except ValueError:
+            return
+        future = self.pending.pop(message.get("id"), None) if "method" not in message else None
+        if future is not None and not future.done():
+            future.set_result(message)
+        elif "method" in message and "id" not in message:
+            self.on_notification(message["method"], message.get("params") or {})
+
+    def lost(self) -> None:
+        for future in self.pending.values():
+            if not future.done():
+                future.set_exception(McpError(f"{self.name} closed its event stream"))
+        self.pending.clear()
+
+    def send(self, message: dict) -> None:
+        import urllib.request
+        request = urllib.request.Request(self.endpoint, json.dumps(message).encode(), {
+            "Content-Type": "application/json", **(self.spec.get("headers") or {})},
+            method="POST")
+        with urllib.request.urlopen(request, timeout=MCP_HTTP_TIMEOUT):
+            pass
+
+    async def request(self, method: str, params: dict) -> Any:
+        request_id, self.next_id = self.next_id, self.next_id + 1
+        future = asyncio.get_running_loop().create_future()
+        self.pending[request_id] = future
+        try:
+            await asyncio.to_thread(self.send, {"jsonrpc": "2.0", "id": request_id,
+                                                "method": method, "params": params})
+        except Exception as e:
+            self.pending.pop(request_id, None)
+            raise McpError(f"cannot send to {self.name}: {getattr(e, 'reason', e)}") from None
+        return answer_of(await future, self.name)
+
+    def notify(self, method: str, params: dict) -> None:
+        message = {"jsonrpc": "2.0", "method": method, "params": params}
+        asyncio.ensure_future(asyncio.to_thread(self.send, message)).add_done_callback(
+            lambda f: f.cancelled() or f.exception())
+
+    async def close(self) -> None:
+        stream, self.stream = self.stream, None
+        if stream is not None:
+            import socket
+            try:
+                stream.fp.raw._sock.shutdown(socket.SHUT_RDWR)
+            except Exception:
+                pass
+
+
+def answer_of(reply: Any, name: str) -> Any:
+    """The result of a JSON-RPC response from an HTTP transport; errors raised."""
+    if not isinstance(reply, dict):
+        raise McpError(f"{name} sent no answer")
+    if reply.get("error") is not None:
+        error = reply["error"] if isinstance(reply["error"], dict) else {}
+        raise RpcError(error.get("code", INTERNAL_ERROR), str(error.get("message", "error")),
+                       error.get("data"))
+    return reply.get("result")
+
+
+TRANSPORTS = {"stdio": StdioTransport, "http": HttpTransport, "sse": SseTransport}
+MCP_HTTP_TIMEOUT = 30          # seconds for one HTTP exchange with an MCP server
+
+
+class McpServer:
+    """One MCP server of a session: started at most once at a time, restarted on the next
+    use after a crash or a timeout; its tools listed (all pages) and kept up to date."""
+
+    def __init__(self, name: str, spec: dict, config: Config):
+        self.name, self.spec, self.config = name, spec, config
+        self.transport: Any = None
+        self.tools: list = []
+        self.error = ""
+        self.starting: Optional[asyncio.Future] = None
+        self.refreshing: Optional[asyncio.Future] = None   # tools/list after list_changed
+
+    @property
+    def ready(self) -> bool:
+        return self.transport is not None and not self.error
+
+    def start(self) -> Any:
+        if self.starting is None or (self.starting.done() and not self.ready):
+            self.error = ""
+            self.starting = asyncio.ensure_future(self._start())
+        return self.starting
+
+    async def _start(self) -> None:
+        transport = TRANSPORTS[self.spec.get("type", "stdio")](self.name, self.spec)
+        try:
+            await transport.open(self.notified)
+            result = await asyncio.wait_for(transport.request("initialize", {
+                "protocolVersion": MCP_VERSIONS[0], "capabilities": {},
+                "clientInfo": {"name": "qcr", "version": __version__}}), MCP_HTTP_TIMEOUT)
+            version = (result or {}).get("protocolVersion")
+            if version not in MCP_VERSIONS:
+                raise McpError(f"it speaks MCP {version!r}; qcr speaks {', '.join(MCP_VERSIONS)}")
+            if isinstance(transport, HttpTransport):
+                transport.version = version
+            transport.notify("notifications/initialized", {})
+            self.transport = transport
+            await self.list_tools()
+        except (McpError, RpcError, asyncio.TimeoutError, OSError) as e:
+            self.error = str(e) or type(e).__name__
+            self.transport = None
+            await transport.close()
+
+    async def list_tools(self) -> None:
+        tools, cursor = [], None
+        for _ in range(100):              # pages, to a sane limit
+            result = await self.transport.request("tools/list",
+                                                  {"cursor": cursor} if cursor else {})
+            tools += [t for t in (result or {}).get("tools", [])
+                      if isinstance(t, dict) and isinstance(t.get("name"), str)]
+            cursor = (result or {}).get("nextCursor")
+            if not cursor:
+                break
+        self.tools = tools
+
+    def notified(self, method: str, params: dict) -> None:
+        if method == "notifications/tools/list_changed" and self.ready:
+            self.refreshing = asyncio.ensure_future(self.list_tools())
+            self.refreshing.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    async def call(self, tool_name: str, arguments: dict) -> dict:
+        """tools/call; a timeout, crash or cancel leaves the server to be restarted."""
+        if not self.ready:
+            await self.start()
+            if not self.ready:
+                raise McpError(f"the server {self.name} is not running: {self.error}")
+        transport = self.transport
+        try:
+            result = await asyncio.wait_for(transport.request("tools/call", {
+                "name": tool_name, "arguments": arguments}), self.config.mcp_call_timeout)
+        except asyncio.TimeoutError:
+            await self.stop()
+            raise McpError(f"{self.name} did not answer within {self.config.mcp_call_timeout:g}"
+                           " s; it will be restarted on the next call") from None
+        except asyncio.CancelledError:
+            transport.notify("notifications/cancelled", {"requestId": getattr(
+                transport, "next_id", getattr(getattr(transport, "conn", None), "next_id", 1))
+                - 1, "reason": "the user cancelled the turn"})
+            raise
+        except McpError:
+            await self.stop()
+            raise
+        if self.refreshing is not None and not self.refreshing.done():
+            await asyncio.wait([self.refreshing], timeout=5)   # the model's next step sees it
+        return result if isinstance(result, dict) else {}
+
+    async def stop(self) -> None:
+        transport, self.transport = self.transport, None
+        if transport is not None:
+            await transport.close()
+
+
+def mcp_specs(entries: Any) -> dict:
+    """Server specs by name, from ACP's list (env and headers as name/value lists) or from
+    mcp.json's object (env and headers as objects); anything malformed is dropped."""
+    found = {}
+    items = entries.items() if isinstance(entries, dict) else [
+        (e.get("name"), e) for e in entries or [] if isinstance(e, dict)]
+    for name, entry in items:
+        if not isinstance(name, str) or not isinstance(entry, dict):
+            continue
+        kind = entry.get("type", "stdio")
+
+        def pairs(value: Any) -> dict:
+            if isinstance(value, dict):
+                return {str(k): str(v) for k, v in value.items()}
+            return {p["name"]: str(p.get("value", "")) for p in value or []
+                    if isinstance(p, dict) and isinstance(p.get("name"), str)}
+        if kind == "stdio" and isinstance(entry.get("command"), str):
+            found[safe_name(name)] = {"type": "stdio", "command": entry["command"],
+                                      "args": [str(a) for a in entry.get("args") or []],
+                                      "env": pairs(entry.get("env"))}
+        elif kind in ("http", "sse") and isinstance(entry.get("url"), str):
+            found[safe_name(name)] = {"type": kind, "url": entry["url"],
+                                      "headers": pairs(entry.get("headers"))}
+    return found
+
+
+def safe_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_-]", "_", name)[:40] or "server"
+
+
+def mcp_tool(server: McpServer, spec: dict) -> Tool:
+    """An MCP tool as one of qcr's: read-only ones (by their annotations) need no approval."""
+    annotations = spec.get("annotations") if isinstance(spec.get("annotations"), dict) else {}
+    read_only = annotations.get("readOnlyHint") is True
+    title = annotations.get("title") or spec.get("title") or spec["name"]
+    schema = spec.get("inputSchema") if isinstance(spec.get("inputSchema"), dict) else {}
+    parameters = {"type": "object", "properties": schema.get("properties") or {},
+                  "required": [r for r in schema.get("required") or [] if isinstance(r, str)]}
+
+    async def run(ctx: ToolContext, **arguments) -> ToolResult:
+        if not read_only:
+            shown = json.dumps(arguments, indent=1)[:2000]
+            await ctx.confirm([text_content(f"{server.name}: {spec['name']}\n{shown}")],
+                              f"mcp:{server.name}:{spec['name']}",
+                              f"`{spec['name']}` from {server.name}")
+        try:
+            result = await server.call(spec["name"], arguments)
+        except RpcError as e:
+            raise ToolError(f"{server.name} refused the call: {e.message}") from None
+        except McpError as e:
+            raise ToolError(str(e)) from None
+        return mcp_result(result)
+    return Tool(f"mcp__{server.name}__{spec['name']}", "read" if read_only else "other", run,
+                str(spec.get("description") or title), parameters, not read_only,
+                lambda args, ctx: f"{title} ({server.name})")
+
+
+def mcp_result(result: dict) -> ToolResult:
+    """MCP content as the model reads it and the user sees it; isError is a failure."""
+    texts, shown = [], []
+    for block in result.get("content") or []:
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text":
+            texts.append(str(block.get("text", "")))
+        elif kind == "image":
+            texts.append(f"[an image ({block.get('mimeType')}) was returned and shown to the "
+                         "user]")
+            shown.append({"type": "content", "content": {
+                "type": "image", "data": block.get("data", ""),
+                "mimeType": block.get("mimeType", "image/png")}})
+        elif kind == "resource":
+            resource = block.get("resource") or {}
+            texts.append(f"[resource {resource.get('uri')}]\n{resource.get('text', '')}")
+        elif kind == "resource_link":
+            texts.append(f"[link: {block.get('uri')}]")
+    if not texts and result.get("structuredContent") is not None:
+        texts.append(json.dumps(result["structuredContent"]))
+    text = "\n".join(texts) or "(no output)"
+    if result.get("isError"):
+        raise ToolError(text)
+    return ToolResult(text, [text_content(text[:4000])] + shown, {"content": result.get(
+        "content"), "structuredContent": result.get("structuredContent")})
+
+
+# -- Plugins -----------------------------------------------------------------------------------
+#
+# A plugin is a folder in ~/.qcr/plugins (for every project) or <project>/.qcr/plugins: a
+# plugin.json (name, description, version, and mcpServers shaped as in mcp.json), slash
+# commands in commands/*.md, and steering/*.md for the system prompt. A project's plugin is
+# code that came with a repository, so its servers start only once the user has approved
+# the exact command line (remembered in ~/.qcr/permissions.json).
+
+def plugins(config: Config, cwd: str) -> list:
+    """[(folder, plugin.json data, from the project?)] of every plugin that applies."""
+    found = []
+    for root, project in ((os.path.join(config.home, "plugins"), False),
+                          (os.path.join(cwd, ".qcr", "plugins"), True)):
+        try:
+            names = sorted(os.listdir(root))
+        except OSError:
+            continue
+        for name in names:
+            folder = os.path.join(root, name)
+            data = read_config_file(Config(), os.path.join(folder, "plugin.json"), False)
+            if data or os.path.isdir(os.path.join(folder, "commands")):
+                found.append((folder, data, project))
+    return found
+
+
+def session_mcp_specs(config: Config, cwd: str, from_client: list) -> list:
+    """(name, spec, needs approval) for every server a session gets: the editor's, then
+    ~/.qcr/mcp.json's, then plugins' (a project plugin's need the user's approval)."""
+    user_file = read_config_file(Config(), os.path.join(config.home, "mcp.json"), False)
+    found = [(n, s, False) for n, s in mcp_specs(from_client).items()]
+    found += [(n, s, False) for n, s in mcp_specs(user_file.get("mcpServers")).items()]
+    for folder, data, project in plugins(config, cwd):
+        for name, spec in mcp_specs(data.get("mcpServers")).items():
+            if spec["type"] == "stdio":
+                spec["cwd"] = folder
+            found.append((name, spec, project and spec["type"] == "stdio"))
+    seen, unique = set(), []
+    for name, spec, approval in found:
+        if name not in seen:
+            seen.add(name)
+            unique.append((name, spec, approval))
+    return unique
+
+
+# =============================================================================================
+# 8. Config: where the model server is, and the limits
 # =============================================================================================
 #
 # Precedence, lowest first: built-in defaults < ~/.qcr/config.json < --config FILE <
@@ -4033,6 +4604,8 @@ class Config:
     tavily_key: str = ""
     thinking_budget: int = 0                     # Anthropic extended thinking, tokens; 0 = off
     local_servers: list = field(default_factory=lambda: list(LOCAL_SERVERS))  # probed if unset
+    mcp_start_timeout: float = 15.0              # seconds a first prompt waits for MCP servers
+    mcp_call_timeout: float = 120.0              # seconds one MCP tool call may take
     config_file: str = ""                        # --config FILE, to read again on sign-in
     compact_at: float = 0.8                      # share of the window that triggers compaction
     server_windows: dict = field(default_factory=dict)   # model -> window the server reported
@@ -4051,6 +4624,8 @@ CONFIG_KEYS = {    # config.json key -> (Config attribute, type)
     "images": ("images", bool), "retryBudget": ("retry_budget", float),
     "sendReasoning": ("send_reasoning", bool), "thinkingBudget": ("thinking_budget", int),
     "localServers": ("local_servers", list), "toolProtocol": ("tool_protocol", str),
+    "mcpStartTimeout": ("mcp_start_timeout", float),
+    "mcpCallTimeout": ("mcp_call_timeout", float),
     "web": ("web", bool), "searchBackend": ("search_backend", str),
     "searxngUrl": ("searxng_url", str), "searchUrl": ("search_url", str),
     "searchKey": ("search_key", str),
@@ -4069,7 +4644,8 @@ ENV_KEYS = [       # environment variable -> config.json key; later ones win
     ("QCR_LOCAL_SERVERS", "localServers"), ("QCR_TOOL_PROTOCOL", "toolProtocol"),
     ("QCR_WEB", "web"), ("SEARXNG_URL", "searxngUrl"), ("QCR_SEARCH_BACKEND", "searchBackend"),
     ("QCR_SEARCH_URL", "searchUrl"), ("BRAVE_API_KEY", "braveApiKey"),
-    ("TAVILY_API_KEY", "tavilyApiKey"),
+    ("TAVILY_API_KEY", "tavilyApiKey"), ("QCR_MCP_START_TIMEOUT", "mcpStartTimeout"),
+    ("QCR_MCP_CALL_TIMEOUT", "mcpCallTimeout"),
 ]
 LOCAL_SERVERS = ("http://127.0.0.1:11434/v1",   # Ollama
                  "http://127.0.0.1:8080/v1",    # llama.cpp's llama-server
@@ -4182,7 +4758,7 @@ def discover(urls: list, api_key: str = "") -> Optional[tuple]:
 
 
 # =============================================================================================
-# 8. The client side: headless mode, --client, and the self-test
+# 9. The client side: headless mode, --client, and the self-test
 # =============================================================================================
 #
 # ACP is symmetric JSON-RPC, so the editor's side reuses section 1's Connection. `Client`
@@ -4594,7 +5170,7 @@ async def selftest_steps(client: Client, project: str, check: Callable) -> None:
 
 
 # =============================================================================================
-# 9. CLI
+# 10. CLI
 # =============================================================================================
 
 def make_trace(target: Optional[str], client: bool = False) -> Optional[Callable]:

@@ -609,7 +609,7 @@ class TestInitialize(AcpTestCase):
         self.assertTrue(caps["loadSession"])
         self.assertEqual(caps["promptCapabilities"],
                          {"image": True, "audio": False, "embeddedContext": True})
-        self.assertEqual(caps["mcpCapabilities"], {"http": False, "sse": False})
+        self.assertEqual(caps["mcpCapabilities"], {"http": True, "sse": True})
 
 
 class TestSessionSetup(AcpTestCase):
@@ -2777,6 +2777,354 @@ class TestConfigOverPipes(AcpTestCase):
 
 
 # =============================================================================================
+# 7. MCP: a fake MCP server (stdio: python3 test_qcr.py --fake-mcp; HTTP and SSE in-process)
+# =============================================================================================
+
+class FakeMcp:
+    """An MCP server's behaviour, whatever the transport. Its tools: echo (read-only),
+    write_note, fail (isError), picture (an image), slow (30 s), crash (exits), grow (adds a
+    tool and says so). tools/list answers in two pages."""
+
+    def __init__(self, log=None, version="2025-06-18"):
+        self.log, self.version, self.grown = log, version, False
+
+    def note(self, text):
+        if self.log:
+            with open(self.log, "a") as f:
+                f.write(text + "\n")
+
+    def tools(self):
+        names = ["echo", "write_note", "fail", "picture", "slow", "crash", "grow"]
+        tools = [{"name": n, "description": f"The {n} tool.", "inputSchema": {
+            "type": "object", "properties": {"text": {"type": "string"}}}} for n in names]
+        tools[0]["annotations"] = {"readOnlyHint": True, "title": "Echo"}
+        if self.grown:
+            tools.append({"name": "added", "description": "Added later.",
+                          "inputSchema": {"type": "object"}})
+        return tools
+
+    def handle(self, message, send_later=None, notify=None):
+        """The response to one message (None for notifications and for `slow`, which
+        answers later through send_later)."""
+        method, params = message.get("method"), message.get("params") or {}
+        self.note(f"{method} {json.dumps(params)}")
+        if "id" not in message:
+            return None
+        reply = {"jsonrpc": "2.0", "id": message["id"]}
+        if method == "initialize":
+            reply["result"] = {"protocolVersion": self.version, "capabilities": {"tools": {
+                "listChanged": True}}, "serverInfo": {"name": "fake", "version": "1"}}
+        elif method == "tools/list":
+            tools = self.tools()
+            if params.get("cursor") == "page-2":
+                reply["result"] = {"tools": tools[4:]}
+            else:
+                reply["result"] = {"tools": tools[:4], "nextCursor": "page-2"}
+        elif method == "tools/call":
+            name, args = params.get("name"), params.get("arguments") or {}
+            text = {"type": "text", "text": f"{name}: {args.get('text', '')}"}
+            if name == "fail":
+                reply["result"] = {"content": [text], "isError": True}
+            elif name == "picture":
+                reply["result"] = {"content": [{"type": "image", "mimeType": "image/png",
+                                                "data": "iVBORw0KGgo="}]}
+            elif name == "slow":
+                if send_later:
+                    send_later(reply, 30)
+                return None
+            elif name == "crash":
+                os._exit(3)
+            elif name == "grow":
+                self.grown = True
+                if notify:
+                    notify({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"})
+                reply["result"] = {"content": [text]}
+            else:
+                reply["result"] = {"content": [text]}
+        else:
+            reply["error"] = {"code": -32601, "message": "Method not found"}
+        return reply
+
+
+def fake_mcp_stdio():
+    """python3 test_qcr.py --fake-mcp: FakeMcp on stdin/stdout. FAKE_MCP_LOG names a file
+    that records every message (and the pid); FAKE_MCP_DELAY delays the start."""
+    log = os.environ.get("FAKE_MCP_LOG")
+    server = FakeMcp(log, os.environ.get("FAKE_MCP_VERSION", "2025-06-18"))
+    server.note(f"pid {os.getpid()}")
+    time.sleep(float(os.environ.get("FAKE_MCP_DELAY", "0")))
+    lock = threading.Lock()
+
+    def write(message):
+        with lock:
+            sys.stdout.write(json.dumps(message) + "\n")
+            sys.stdout.flush()
+
+    def later(reply, seconds):
+        def run():
+            time.sleep(seconds)
+            reply["result"] = {"content": [{"type": "text", "text": "slow: done"}]}
+            write(reply)
+        threading.Thread(target=run, daemon=True).start()
+    for line in sys.stdin:
+        reply = server.handle(json.loads(line), later, write)
+        if reply:
+            write(reply)
+    server.note("stdin closed")
+    return 0
+
+
+class FakeMcpHttp:
+    """FakeMcp over streamable HTTP (POST /mcp; tools/call answered as SSE) and over the
+    older HTTP+SSE transport (GET /sse, POST /messages)."""
+
+    def __init__(self):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        fake, self.server_logic, self.session_ids = self, FakeMcp(), []
+        self.sse_queue = queue.Queue()
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                if self.path != "/sse":
+                    self.send_response(404)
+                    self.end_headers()
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                self.wfile.write(b"event: endpoint\ndata: /messages?session=1\n\n")
+                self.wfile.flush()
+                while True:
+                    message = fake.sse_queue.get()
+                    if message is None:
+                        return
+                    self.wfile.write(b"event: message\ndata: " +
+                                     json.dumps(message).encode() + b"\n\n")
+                    self.wfile.flush()
+
+            def do_POST(self):
+                message = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.session_ids.append(self.headers.get("Mcp-Session-Id"))
+                reply = fake.server_logic.handle(message)
+                if self.path.startswith("/messages"):
+                    self.send_response(202)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    if reply:
+                        fake.sse_queue.put(reply)
+                    return
+                if reply is None:
+                    self.send_response(202)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                if message.get("method") == "tools/call":      # the SSE form of an answer
+                    data = (b"event: message\ndata: " + json.dumps(reply).encode() + b"\n\n")
+                    content_type = "text/event-stream"
+                else:
+                    data, content_type = json.dumps(reply).encode(), "application/json"
+                self.send_response(200)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(data)))
+                if message.get("method") == "initialize":
+                    self.send_header("Mcp-Session-Id", "session-42")
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
+
+    def close(self):
+        self.sse_queue.put(None)
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class TestMcp(AcpTestCase):
+    def stdio_server(self, name="fake", **env):
+        self.mcp_log = os.path.join(self.tmp, f"{name}.log")
+        return {"name": name, "command": sys.executable, "args": [os.path.abspath(__file__),
+                                                                  "--fake-mcp"],
+                "env": [{"name": "FAKE_MCP_LOG", "value": self.mcp_log}] +
+                       [{"name": k, "value": v} for k, v in env.items()]}
+
+    def mcp_session(self, agent, servers, capabilities=None):
+        agent.call("initialize", {"protocolVersion": 1,
+                                  "clientCapabilities": capabilities or {}})
+        response, _, _ = agent.call("session/new", {"cwd": self.project, "mcpServers": servers})
+        return response["result"]["sessionId"]
+
+    def logged(self):
+        with open(self.mcp_log) as f:
+            return f.read()
+
+    def offered(self, request=-1):
+        return [t["function"]["name"] for t in self.model.requests[request]["tools"]]
+
+    def test_stdio_tools_are_offered_called_and_reported(self):
+        self.fake_model(calls(("mcp__fake__echo", {"text": "hi"}),
+                              ("mcp__fake__write_note", {"text": "note"}),
+                              ("mcp__fake__fail", {"text": "bad"}),
+                              ("mcp__fake__picture", {})),
+                        scripted_reply("ok"))
+        agent = self.start(env={"QCR_MCP_START_TIMEOUT": "20"})
+        session_id = self.mcp_session(agent, [self.stdio_server(FAKE_MCP_DELAY="0.5")])
+        _, updates, requests = self.prompt(agent, session_id, "use them")
+        offered = self.offered(0)                 # the first prompt waited for the server
+        for name in ("echo", "write_note", "fail", "picture", "slow", "crash", "grow"):
+            self.assertIn(f"mcp__fake__{name}", offered)          # both pages listed
+        started = [u for u in updates if u["sessionUpdate"] == "tool_call"]
+        self.assertEqual([(u["title"], u["kind"]) for u in started],
+                         [("Echo (fake)", "read"), ("write_note (fake)", "other"),
+                          ("fail (fake)", "other"), ("picture (fake)", "other")])
+        self.assertEqual(list(final_status(updates).values()),
+                         ["completed", "completed", "failed", "completed"])
+        asked = [r["params"]["toolCall"]["title"] for r in requests]
+        self.assertEqual(asked, ["write_note (fake)", "fail (fake)", "picture (fake)"])
+        results = self.tool_messages(1)
+        self.assertEqual(results[:3], ["echo: hi", "write_note: note", "Error: fail: bad"])
+        self.assertIn("an image (image/png) was returned", results[3])
+        picture = [u for u in updates if u.get("toolCallId") == started[3]["toolCallId"]
+                   and u.get("status") == "completed"][0]
+        self.assertEqual(picture["content"][1]["content"]["type"], "image")
+        self.assertIn('initialize {"protocolVersion": "2025-06-18"', self.logged())
+        self.assertIn("notifications/initialized", self.logged())
+        self.assertClean(agent)
+
+    def test_timeouts_crashes_cancel_and_list_changed(self):
+        self.fake_model(calls(("mcp__fake__slow", {})), calls(("mcp__fake__crash", {})),
+                        calls(("mcp__fake__echo", {"text": "again"})),
+                        calls(("mcp__fake__grow", {})), scripted_reply("ok"),
+                        calls(("mcp__fake__slow", {})), scripted_reply("ok"))
+        agent = self.start(env={"QCR_MCP_CALL_TIMEOUT": "1"})
+        session_id = self.mcp_session(agent, [self.stdio_server()])
+        _, updates, _ = self.prompt(agent, session_id, "go", answer=ALLOW_ALWAYS, timeout=30)
+        results = self.tool_messages(4)
+        self.assertIn("did not answer within 1 s", results[0])
+        self.assertIn("exited mid-call", results[1])
+        self.assertEqual(results[2], "echo: again")            # restarted on the next call
+        self.assertIn("mcp__fake__added", self.offered(4))       # list_changed was heard
+        self.assertEqual(self.logged().count("pid "), 3)        # started, timed out, crashed
+
+        def cancel_when_running(update):
+            if update.get("status") == "in_progress":
+                time.sleep(0.3)
+                agent.notify("session/cancel", {"sessionId": session_id})
+        agent.close()
+        self.model.close()
+        self.fake_model(calls(("mcp__fake__slow", {})), scripted_reply("ok"))
+        agent = self.start(env={"QCR_MCP_CALL_TIMEOUT": "60"})
+        session_id = self.mcp_session(agent, [self.stdio_server()])
+        response, _, _ = self.prompt(agent, session_id, "slow", answer=ALLOW_ALWAYS,
+                                     on_update=cancel_when_running)
+        self.assertResult(response, {"stopReason": "cancelled"})
+        deadline = time.monotonic() + 5
+        while "notifications/cancelled" not in self.logged() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertIn("notifications/cancelled", self.logged())
+
+    def test_http_and_sse_servers(self):
+        remote = FakeMcpHttp()
+        self.addCleanup(remote.close)
+        self.fake_model(calls(("mcp__web__echo", {"text": "over http"}),
+                              ("mcp__old__echo", {"text": "over sse"})), scripted_reply("ok"))
+        agent = self.start()
+        session_id = self.mcp_session(agent, [
+            {"type": "http", "name": "web", "url": remote.url + "/mcp",
+             "headers": [{"name": "X-Token", "value": "t"}]},
+            {"type": "sse", "name": "old", "url": remote.url + "/sse", "headers": []}])
+        self.prompt(agent, session_id, "go")
+        self.assertEqual(self.tool_messages(1), ["echo: over http", "echo: over sse"])
+        self.assertIn("session-42", remote.session_ids)         # Mcp-Session-Id kept
+
+    def test_failures_to_start_are_told_once_and_the_session_works(self):
+        self.fake_model(scripted_reply("fine"))
+        agent = self.start()
+        session_id = self.mcp_session(agent, [
+            {"name": "ghost", "command": "/nonexistent/server", "args": [], "env": []},
+            self.stdio_server(name="old", FAKE_MCP_VERSION="1999-01-01")])
+        _, updates, _ = self.prompt(agent, session_id, "hi")
+        _, later, _ = self.prompt(agent, session_id, "again")
+        told = text_of(updates) + text_of(later)
+        self.assertEqual(told.count("[mcp] the server ghost did not start"), 1)
+        self.assertIn("cannot start /nonexistent/server", told)
+        self.assertIn("[mcp] the server old did not start", told)
+        self.assertIn("1999-01-01", told)
+        self.assertTrue(told.endswith("fine"))
+
+    def test_user_config_plugins_and_a_project_plugin_that_needs_approval(self):
+        os.makedirs(os.path.join(self.home, ".qcr", "plugins", "kit", "commands"))
+        os.makedirs(os.path.join(self.home, ".qcr", "plugins", "kit", "steering"))
+        server = self.stdio_server(name="kitserver")
+        with open(os.path.join(self.home, ".qcr", "plugins", "kit", "plugin.json"), "w") as f:
+            json.dump({"name": "kit", "version": "1.0", "mcpServers": {"kitserver": {
+                "command": server["command"], "args": server["args"],
+                "env": {"FAKE_MCP_LOG": self.mcp_log}}}}, f)
+        with open(os.path.join(self.home, ".qcr", "plugins", "kit", "commands",
+                               "ship.md"), "w") as f:
+            f.write("Ship $ARGUMENTS now.\n")
+        with open(os.path.join(self.home, ".qcr", "plugins", "kit", "steering",
+                               "rules.md"), "w") as f:
+            f.write("Always test first.\n")
+        with open(os.path.join(self.home, ".qcr", "mcp.json"), "w") as f:
+            json.dump({"mcpServers": {"usersrv": {"command": sys.executable,
+                                                  "args": [os.path.abspath(__file__),
+                                                           "--fake-mcp"]}}}, f)
+        self.write(".qcr/plugins/local/plugin.json", json.dumps({"name": "local", "mcpServers": {
+            "localsrv": {"command": sys.executable, "args": [os.path.abspath(__file__),
+                                                             "--fake-mcp"]}}}))
+        self.fake_model(scripted_reply("ok"))
+        agent = self.start()
+        asked = []
+
+        def approve(frame):
+            asked.append(frame["params"])
+            return {"outcome": {"outcome": "selected", "optionId": "allow_project"}}
+        agent.call("initialize", {"protocolVersion": 1})
+        response, _, _ = agent.call("session/new", {"cwd": self.project, "mcpServers": []})
+        session_id = response["result"]["sessionId"]
+        _, updates, _ = self.prompt(agent, session_id, "/ship it", answer=approve)
+        self.assertEqual(len(asked), 1)
+        self.assertIn(f"{sys.executable} {os.path.abspath(__file__)} --fake-mcp",
+                      asked[0]["toolCall"]["title"])
+        offered = self.offered(0)
+        for name in ("mcp__kitserver__echo", "mcp__usersrv__echo", "mcp__localsrv__echo"):
+            self.assertIn(name, offered)
+        sent = self.model.requests[0]["messages"]
+        self.assertIn("Always test first.", sent[0]["content"])
+        self.assertEqual(sent[-1]["content"], "Ship it now.")
+        agent.close()
+        agent = self.start()                                 # remembered: not asked again
+        asked.clear()
+        agent.call("initialize", {"protocolVersion": 1})
+        response, _, _ = agent.call("session/new", {"cwd": self.project, "mcpServers": []})
+        self.prompt(agent, response["result"]["sessionId"], "again", answer=approve)
+        self.assertEqual(asked, [])
+        self.assertIn("mcp__localsrv__echo", self.offered(-1))
+
+    def test_no_server_outlives_qcr(self):
+        self.fake_model(scripted_reply("ok"))
+        agent = self.start()
+        session_id = self.mcp_session(agent, [self.stdio_server()])
+        self.prompt(agent, session_id, "hi")
+        pid = int(re.search(r"pid (\d+)", self.logged()).group(1))
+        self.assertTrue(alive(pid))
+        self.assertEqual(agent.close(), 0)
+        deadline = time.monotonic() + 5
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertFalse(alive(pid))
+        self.assertIn("stdin closed", self.logged())          # asked to stop, in order
+
+
+# =============================================================================================
 # Proof: the official SDK as a client, and wire fuzzing
 # =============================================================================================
 
@@ -3415,4 +3763,6 @@ class Bench:
 if __name__ == "__main__":
     if "--bench" in sys.argv:
         sys.exit(Bench().run())
+    if "--fake-mcp" in sys.argv:
+        sys.exit(fake_mcp_stdio())
     unittest.main(verbosity=1)
