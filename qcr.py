@@ -35,6 +35,10 @@ Security: qcr runs shell commands and changes files when the model asks. In the
 """
 from __future__ import annotations
 
+# =============================================================================================
+# 0. Header: imports, the protocol's constants, limits
+# =============================================================================================
+
 import asyncio
 import json
 import os
@@ -553,7 +557,8 @@ def read_linked_file(uri: str) -> str:
     if b"\0" in data[:8192]:
         return f"\n[link to binary file {quote_uri(path)}; not shown]"
     text = data[:LINKED_FILE_BYTES].decode("utf-8", "replace")
-    more = "\n[... truncated; read the rest with ReadFile]" if len(data) > LINKED_FILE_BYTES else ""
+    more = "\n[... truncated; read the rest with ReadFile]" \
+        if len(data) > LINKED_FILE_BYTES else ""
     return context_block(uri, text + more)
 
 
@@ -626,9 +631,8 @@ class Agent:
                 else:
                     session.jobs.remove(job)
                 session.cancelling = False
-                session.turn = asyncio.ensure_future(
-                    run_job(self, session, {"source": "cron", "jobId": job["id"]},
-                            job["prompt"]))
+                session.origin = {"source": "cron", "jobId": job["id"]}   # before it starts
+                session.turn = asyncio.ensure_future(run_job(self, session, job["prompt"]))
             await asyncio.sleep(JOB_TICK)
 
     def session(self, params: dict) -> Session:
@@ -3489,23 +3493,7 @@ async def run_turn(agent: Agent, session: Session, text: str, shown: str = "",
     expansion) is what the thread shows and replays. Images go along as data URIs unless
     the model is configured as text-only.
     """
-    close_open_calls(session.messages, "Not run: the turn was interrupted.")
-    content: Any = text
-    if images and agent.config.images:
-        content = [{"type": "text", "text": text}] + [
-            {"type": "image_url", "image_url": {"url": f"data:{i['mimeType']};base64,{i['data']}"}}
-            for i in images]
-    session.messages.append({"role": "user", "content": content})
-    if session.origin:      # nobody typed it: show it as it starts
-        agent.update(session, message_chunk("user_message_chunk", shown or text))
-    elif shown or text:
-        session.record(message_chunk("user_message_chunk", shown or text))
-    for image in images:
-        session.record({"sessionUpdate": "user_message_chunk", "content": image})
-    if not session.title:
-        session.title = " ".join((shown or text).split())[:80] or "Untitled"
-        agent.update(session, session_info_update(session.title, iso_time(time.time())))
-    agent.save(session)
+    open_turn(agent, session, text, shown, images)
 
     def emit(kind: str, chunk: str) -> None:
         agent.update(session, message_chunk(kind, chunk))
@@ -3513,7 +3501,6 @@ async def run_turn(agent: Agent, session: Session, text: str, shown: str = "",
     if images and not agent.config.images:
         emit("agent_message_chunk", f"[note] {len(images)} image(s) not sent: the model is "
              "configured as text-only (images: false).\n\n")
-
     if agent.config.problems and not session.messages[:-1]:
         emit("agent_message_chunk", "[warning] " + "\n[warning] ".join(agent.config.problems)
              + "\n\n")
@@ -3525,24 +3512,7 @@ async def run_turn(agent: Agent, session: Session, text: str, shown: str = "",
             if needs_compaction(agent, session):
                 await compact(agent, session, "", automatic=True)
             reply = Reply()
-            tools = tool_specs(session.mode, agent.config.web, agent.mcp_tools(session))
-            try:
-                messages = model_messages(agent, session, tools)
-                await provider.stream(messages, [] if session.text_tools else tools, reply, emit)
-            except ProviderError as e:
-                if not rejects_tools(e) or session.text_tools or reply.started:
-                    raise
-                session.text_tools = True     # a model without tool calls: the text protocol
-                emit("agent_message_chunk", f"[note] {session.model} does not take tool "
-                     "definitions, so qcr asks for tool calls as text instead.\n\n")
-                messages = model_messages(agent, session, tools)
-                await provider.stream(messages, [], reply, emit)
-            if session.text_tools:
-                reply.calls = text_tool_calls(reply.text)
-                reply.finish = "tool_calls" if reply.calls else reply.finish
-            session.messages.append(reply.message())
-            report_usage(agent, session, reply, messages, tools)
-            agent.save(session)
+            await ask_model(agent, session, provider, reply, emit)
             calls, finish, reply = reply.calls, reply.finish, None
             if finish == "length":
                 return "max_tokens"
@@ -3569,9 +3539,9 @@ async def run_turn(agent: Agent, session: Session, text: str, shown: str = "",
 JOB_TICK = 0.5                 # seconds between looks at the scheduled jobs
 
 
-async def run_job(agent: Agent, session: Session, origin: dict, prompt: str) -> str:
-    """A scheduled prompt's turn: the prompt shown as the user's, every update marked."""
-    session.origin = origin
+async def run_job(agent: Agent, session: Session, prompt: str) -> str:
+    """A scheduled prompt's turn (session.origin set): the prompt shown as the user's,
+    every update marked."""
     try:
         return await run_prompt(agent, session, prompt)
     finally:
@@ -3649,6 +3619,53 @@ def as_text_protocol(messages: list) -> list:
         else:
             out.append(message)
     return merge_user_turns(out)
+
+
+def open_turn(agent: Agent, session: Session, text: str, shown: str, images: list) -> None:
+    """The user's message: into the model's context (images as data URIs unless the model
+    is text-only) and the thread's record; the session's title from its first prompt."""
+    close_open_calls(session.messages, "Not run: the turn was interrupted.")
+    content: Any = text
+    if images and agent.config.images:
+        content = [{"type": "text", "text": text}] + [
+            {"type": "image_url",
+             "image_url": {"url": f"data:{i['mimeType']};base64,{i['data']}"}}
+            for i in images]
+    session.messages.append({"role": "user", "content": content})
+    if session.origin:      # nobody typed it: show it as it starts
+        agent.update(session, message_chunk("user_message_chunk", shown or text))
+    elif shown or text:
+        session.record(message_chunk("user_message_chunk", shown or text))
+    for image in images:
+        session.record({"sessionUpdate": "user_message_chunk", "content": image})
+    if not session.title:
+        session.title = " ".join((shown or text).split())[:80] or "Untitled"
+        agent.update(session, session_info_update(session.title, iso_time(time.time())))
+    agent.save(session)
+
+
+async def ask_model(agent: Agent, session: Session, provider: Provider, reply: Reply,
+                    emit: Callable) -> None:
+    """One model call, streamed into `reply` and appended to the context. A model that
+    rejects tool definitions is switched to the text protocol and asked again."""
+    tools = tool_specs(session.mode, agent.config.web, agent.mcp_tools(session))
+    try:
+        messages = model_messages(agent, session, tools)
+        await provider.stream(messages, [] if session.text_tools else tools, reply, emit)
+    except ProviderError as e:
+        if not rejects_tools(e) or session.text_tools or reply.started:
+            raise
+        session.text_tools = True
+        emit("agent_message_chunk", f"[note] {session.model} does not take tool "
+             "definitions, so qcr asks for tool calls as text instead.\n\n")
+        messages = model_messages(agent, session, tools)
+        await provider.stream(messages, [], reply, emit)
+    if session.text_tools:
+        reply.calls = text_tool_calls(reply.text)
+        reply.finish = "tool_calls" if reply.calls else reply.finish
+    session.messages.append(reply.message())
+    report_usage(agent, session, reply, messages, tools)
+    agent.save(session)
 
 
 def keep_partial(session: Session, reply: Optional[Reply]) -> None:
@@ -4075,8 +4092,8 @@ BUILTIN_COMMANDS = [
             "what to focus on (optional)", run=command_init),
     Command("compact", "Summarise the conversation so far to free context",
             "what the summary must keep (optional)", run=command_compact),
-    Command("mode", "Switch mode: default, plan or auto-edit", "default | plan | auto-edit",
-            run=command_mode),
+    Command("mode", "Switch mode: default, plan, auto-edit or yolo",
+            "default | plan | auto-edit | yolo", run=command_mode),
     Command("model", "Switch the model", "model id", run=command_model),
     Command("permissions", "List remembered approvals, or revoke them", "revoke N | revoke all",
             run=command_permissions),
@@ -4100,6 +4117,7 @@ BUILTIN_NAMES = {c.name for c in BUILTIN_COMMANDS}
 #   -> {"jsonrpc":"2.0","id":1,"method":"tools/list","params":{}}
 
 MCP_VERSIONS = ("2025-06-18", "2025-03-26", "2024-11-05")   # newest first
+MCP_HTTP_TIMEOUT = 30          # seconds for one HTTP exchange with an MCP server
 MCP_ENV = ("HOME", "LOGNAME", "PATH", "SHELL", "TERM", "USER", "LANG", "LC_ALL", "TMPDIR",
            "SYSTEMROOT")    # what a stdio server inherits from qcr's environment
 
@@ -4111,8 +4129,8 @@ class McpError(Exception):
 class StdioTransport:
     """A server as a child process: JSON-RPC lines on its stdin and stdout."""
 
-    def __init__(self, name: str, spec: dict):
-        self.name, self.spec = name, spec
+    def __init__(self, name: str, spec: dict, home: str = ""):
+        self.name, self.spec, self.home = name, spec, home
         self.proc: Any = None
         self.conn: Optional[Connection] = None
         self.reading: Optional[asyncio.Future] = None
@@ -4121,8 +4139,8 @@ class StdioTransport:
         import subprocess
         env = {k: v for k, v in os.environ.items() if k in MCP_ENV}
         env.update(self.spec.get("env") or {})
-        log_file = open(os.path.join(os.path.expanduser("~"), ".qcr", "qcr.log"), "ab") \
-            if os.path.isdir(os.path.join(os.path.expanduser("~"), ".qcr")) else None
+        log_file = open(os.path.join(self.home, "qcr.log"), "ab") \
+            if self.home and os.path.isdir(self.home) else None
         try:
             self.proc = await asyncio.create_subprocess_exec(
                 self.spec["command"], *self.spec.get("args", []), env=env,
@@ -4139,6 +4157,10 @@ class StdioTransport:
         self.conn = Connection(self.proc.stdin.write, refuse, on_notification)
         self.reading = asyncio.ensure_future(self.conn.serve(self.proc.stdout))
         self.reading.add_done_callback(lambda _: self.conn.cancel_pending())
+
+    @property
+    def last_id(self) -> int:
+        return self.conn.next_id - 1 if self.conn else 0
 
     async def request(self, method: str, params: dict) -> Any:
         if self.reading is None or self.reading.done():
@@ -4186,7 +4208,9 @@ class HttpTransport:
         self.version = ""
 
     async def open(self, on_notification: Callable) -> None:
-        self.on_notification = on_notification
+        loop = asyncio.get_running_loop()      # post() runs in a thread: hand over
+        self.on_notification = lambda method, params: loop.call_soon_threadsafe(
+            on_notification, method, params)
 
     def post(self, message: dict) -> Any:
         """One POST (in a thread): the response to `message`, or None for a notification."""
@@ -4221,6 +4245,10 @@ class HttpTransport:
             raise McpError(f"cannot reach {self.spec['url']}: {getattr(e, 'reason', e)}") \
                 from None
 
+    @property
+    def last_id(self) -> int:
+        return self.next_id - 1
+
     async def request(self, method: str, params: dict) -> Any:
         request_id, self.next_id = self.next_id, self.next_id + 1
         reply = await asyncio.to_thread(self.post, {"jsonrpc": "2.0", "id": request_id,
@@ -4243,6 +4271,7 @@ class SseTransport:
     def __init__(self, name: str, spec: dict):
         self.name, self.spec, self.next_id = name, spec, 0
         self.pending: dict = {}
+        self.closed = False
         self.endpoint: Optional[str] = None
         self.stream: Any = None
         self.on_notification: Callable = lambda method, params: None
@@ -4258,7 +4287,7 @@ class SseTransport:
             try:
                 request = urllib.request.Request(self.spec["url"], headers={
                     "Accept": "text/event-stream", **(self.spec.get("headers") or {})})
-                self.stream = urllib.request.urlopen(request, timeout=MCP_HTTP_TIMEOUT)
+                self.stream = urllib.request.urlopen(request)    # idle is fine: no timeout
                 event = ""
                 data: list = []
                 for raw in self.stream:
@@ -4277,11 +4306,16 @@ class SseTransport:
                             loop.call_soon_threadsafe(self.receive, text)
                         event = ""
             except Exception as e:
-                loop.call_soon_threadsafe(lambda: ready.done() or ready.set_exception(
-                    McpError(f"cannot reach {self.spec['url']}: {getattr(e, 'reason', e)}")))
+                failure = McpError(f"cannot reach {self.spec['url']}: {getattr(e, 'reason', e)}")
+                loop.call_soon_threadsafe(
+                    lambda: ready.done() or ready.set_exception(failure))
             loop.call_soon_threadsafe(self.lost)
         threading.Thread(target=read, daemon=True).start()
         self.endpoint = await asyncio.wait_for(ready, MCP_HTTP_TIMEOUT)
+
+    @property
+    def last_id(self) -> int:
+        return self.next_id - 1
 
     def receive(self, text: str) -> None:
         try:
@@ -4295,6 +4329,7 @@ class SseTransport:
             self.on_notification(message["method"], message.get("params") or {})
 
     def lost(self) -> None:
+        self.closed = True
         for future in self.pending.values():
             if not future.done():
                 future.set_exception(McpError(f"{self.name} closed its event stream"))
@@ -4309,6 +4344,8 @@ class SseTransport:
             pass
 
     async def request(self, method: str, params: dict) -> Any:
+        if self.closed:
+            raise McpError(f"{self.name} closed its event stream")
         request_id, self.next_id = self.next_id, self.next_id + 1
         future = asyncio.get_running_loop().create_future()
         self.pending[request_id] = future
@@ -4347,7 +4384,6 @@ def answer_of(reply: Any, name: str) -> Any:
 
 
 TRANSPORTS = {"stdio": StdioTransport, "http": HttpTransport, "sse": SseTransport}
-MCP_HTTP_TIMEOUT = 30          # seconds for one HTTP exchange with an MCP server
 
 
 class McpServer:
@@ -4373,7 +4409,9 @@ class McpServer:
         return self.starting
 
     async def _start(self) -> None:
-        transport = TRANSPORTS[self.spec.get("type", "stdio")](self.name, self.spec)
+        kind = self.spec.get("type", "stdio")
+        transport = TRANSPORTS[kind](self.name, self.spec, *(
+            [self.config.home] if kind == "stdio" else []))
         try:
             await transport.open(self.notified)
             result = await asyncio.wait_for(transport.request("initialize", {
@@ -4424,9 +4462,8 @@ class McpServer:
             raise McpError(f"{self.name} did not answer within {self.config.mcp_call_timeout:g}"
                            " s; it will be restarted on the next call") from None
         except asyncio.CancelledError:
-            transport.notify("notifications/cancelled", {"requestId": getattr(
-                transport, "next_id", getattr(getattr(transport, "conn", None), "next_id", 1))
-                - 1, "reason": "the user cancelled the turn"})
+            transport.notify("notifications/cancelled", {
+                "requestId": transport.last_id, "reason": "the user cancelled the turn"})
             raise
         except McpError:
             await self.stop()
@@ -4593,10 +4630,10 @@ class Config:
     context_window: int = 0                      # tokens; 0 = by model name (see CONTEXT_WINDOWS)
     images: bool = True                          # send images (false: a text-only model)
     retry_budget: float = 30.0                   # seconds of retrying a busy or absent server
-    send_reasoning: bool = False                 # send reasoning_content back (some servers want it)
+    send_reasoning: bool = False                 # send reasoning_content back (some want it)
     tool_protocol: str = "native"                # "text": tools described in the prompt
     web: bool = True                             # WebFetch and WebSearch offered
-    search_backend: str = ""                     # searxng, brave, tavily, duckduckgo; "" = first set
+    search_backend: str = ""                     # searxng, brave, tavily, duckduckgo, or ""
     searxng_url: str = ""                        # a SearXNG instance
     search_url: str = ""                         # the search endpoint, overriding the backend's
     search_key: str = ""
@@ -4643,7 +4680,8 @@ ENV_KEYS = [       # environment variable -> config.json key; later ones win
     ("QCR_SEND_REASONING", "sendReasoning"), ("QCR_THINKING_BUDGET", "thinkingBudget"),
     ("QCR_LOCAL_SERVERS", "localServers"), ("QCR_TOOL_PROTOCOL", "toolProtocol"),
     ("QCR_WEB", "web"), ("SEARXNG_URL", "searxngUrl"), ("QCR_SEARCH_BACKEND", "searchBackend"),
-    ("QCR_SEARCH_URL", "searchUrl"), ("BRAVE_API_KEY", "braveApiKey"),
+    ("QCR_SEARCH_URL", "searchUrl"), ("QCR_SEARCH_KEY", "searchKey"),
+    ("BRAVE_API_KEY", "braveApiKey"),
     ("TAVILY_API_KEY", "tavilyApiKey"), ("QCR_MCP_START_TIMEOUT", "mcpStartTimeout"),
     ("QCR_MCP_CALL_TIMEOUT", "mcpCallTimeout"),
 ]
@@ -5086,7 +5124,8 @@ def selftest() -> int:
         project = os.path.join(home, "project")
         os.makedirs(project)
         write_text(os.path.join(project, "hello.py"), 'print("hello, world")\n')
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "QCR_", "ANTHROPIC_"))}
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("OPENAI_", "QCR_", "ANTHROPIC_"))}
         env.update(HOME=home, QCR_BASE_URL=model.url, QCR_MODEL="scripted")
         asyncio.run(selftest_session(env, project, check))
         sessions = os.path.join(home, ".qcr", "sessions")

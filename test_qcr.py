@@ -1114,7 +1114,7 @@ class TestSlashCommands(AcpTestCase):
         self.assertEqual(commands["review"], {"name": "review", "description": "Review a file",
                                               "input": {"hint": "<path>"}})
         self.assertEqual(commands["explain"]["description"], "Explain the code")
-        self.assertEqual(commands["mode"]["input"], {"hint": "default | plan | auto-edit"})
+        self.assertEqual(commands["mode"]["input"], {"hint": "default | plan | auto-edit | yolo"})
 
     def test_template_commands_unknown_words_and_a_changing_set(self):
         self.write(".qcr/commands/review.md", "Review $ARGUMENTS carefully.\n")
@@ -3049,6 +3049,7 @@ class TestMcp(AcpTestCase):
         agent = self.start()
         session_id = self.mcp_session(agent, [
             {"name": "ghost", "command": "/nonexistent/server", "args": [], "env": []},
+            {"type": "sse", "name": "deadsse", "url": "http://127.0.0.1:9/sse", "headers": []},
             self.stdio_server(name="old", FAKE_MCP_VERSION="1999-01-01")])
         _, updates, _ = self.prompt(agent, session_id, "hi")
         _, later, _ = self.prompt(agent, session_id, "again")
@@ -3056,6 +3057,8 @@ class TestMcp(AcpTestCase):
         self.assertEqual(told.count("[mcp] the server ghost did not start"), 1)
         self.assertIn("cannot start /nonexistent/server", told)
         self.assertIn("[mcp] the server old did not start", told)
+        self.assertIn("[mcp] the server deadsse did not start, so its tools are missing: "
+                      "cannot reach http://127.0.0.1:9/sse", told)
         self.assertIn("1999-01-01", told)
         self.assertTrue(told.endswith("fine"))
 
