@@ -3112,6 +3112,20 @@ class TestMcp(AcpTestCase):
         self.assertEqual(asked, [])
         self.assertIn("mcp__localsrv__echo", self.offered(-1))
 
+    @unittest.skipUnless(os.path.exists(os.environ.get("QCR_MCP_EVERYTHING", "/nonexistent")),
+                         "the reference MCP server is not installed (.ci/run installs it)")
+    def test_the_reference_server_everything(self):
+        self.fake_model(calls(("mcp__everything__echo", {"message": "hi from qcr"})),
+                        scripted_reply("ok"))
+        agent = self.start()
+        session_id = self.mcp_session(agent, [{
+            "name": "everything", "command": os.environ["QCR_MCP_EVERYTHING"],
+            "args": ["stdio"], "env": []}])
+        _, updates, _ = self.prompt(agent, session_id, "echo", answer=ALLOW, timeout=60)
+        self.assertIn("mcp__everything__echo", self.offered(0))
+        self.assertEqual(self.tool_messages(1), ["Echo: hi from qcr"])
+        self.assertEqual(list(final_status(updates).values()), ["completed"])
+
     def test_no_server_outlives_qcr(self):
         self.fake_model(scripted_reply("ok"))
         agent = self.start()
