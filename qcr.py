@@ -1476,6 +1476,8 @@ class ThinkTags:
 
     def feed(self, text: str) -> list:
         """[(kind, text)] for the new text: kind is 'agent_message_chunk' or a thought."""
+        if "<" not in text and not self.held:       # the usual chunk: no tag in sight
+            return [(self.kind(), text)]
         text, self.held, out = self.held + text, "", []
         while text:
             tags = self.CLOSE if self.thinking else self.OPEN
