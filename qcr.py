@@ -2149,7 +2149,7 @@ class ToolContext:
         refused in plan mode."""
         if not isinstance(path, str) or not path.strip():
             raise ToolError("a path must be a non-empty string")
-        full = os.path.normpath(os.path.join(self.cwd, os.path.expanduser(path.strip())))
+        full = absolute(self.cwd, path)
         if not self.inside(full):
             if self.session.mode == "plan":
                 raise ToolError(f"{full} is outside the project's folders, and plan mode "
@@ -2272,6 +2272,11 @@ class ToolContext:
 
 
 SCOPES = ("session", "project", "global")
+
+
+def absolute(cwd: str, path: str) -> str:
+    """A path as the tools take it: ~ expanded, relative ones from the session's cwd."""
+    return os.path.normpath(os.path.join(cwd, os.path.expanduser(path.strip())))
 
 
 def within(path: str, roots: list) -> bool:
@@ -3686,7 +3691,7 @@ async def run_tool_call(agent: Agent, session: Session, call: dict) -> dict:
         args, bad_json = None, e
     fields = args if isinstance(args, dict) else {}
     title = tool_.title(fields, session) if tool_ else call["name"] or "Unknown tool"
-    locations = [{"path": os.path.normpath(os.path.join(session.cwd, os.path.expanduser(p)))}
+    locations = [{"path": absolute(session.cwd, p)}
                  for p in (fields.get(k) for k in ("path", "source", "destination"))
                  if isinstance(p, str) and p.strip()]
     agent.update(session, tool_call(call_id, str(title), tool_.kind if tool_ else "other",
@@ -3784,16 +3789,9 @@ async def learn_context_window(config: Config, model: str) -> None:
     config.server_windows[model] = 0          # asked (once), whatever the answer
 
     def ask() -> int:
-        import urllib.request
         base = config.base_url.rstrip("/")
-        headers = {"Authorization": "Bearer " + config.api_key} if config.api_key else {}
         for url in (base + "/models", re.sub(r"/v1$", "", base) + "/props"):
-            try:
-                request = urllib.request.Request(url, headers=headers)
-                with urllib.request.urlopen(request, timeout=2) as response:
-                    data = loads(response.read(1 << 20))
-            except Exception:
-                continue
+            data = server_json(url, config.api_key, 2)
             if isinstance(data, dict) and isinstance(data.get("data"), list):
                 for entry in data["data"]:
                     if isinstance(entry, dict) and entry.get("id") == model:
@@ -4769,24 +4767,30 @@ def apply_config(config: Config, data: dict, source: str) -> None:
         setattr(config, attribute, value)
 
 
+def server_json(url: str, api_key: str, timeout: float) -> Any:
+    """GET a model server's JSON (its /models, llama.cpp's /props); None if it fails."""
+    import urllib.request
+    headers = {"Authorization": "Bearer " + api_key} if api_key else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
+                                    timeout=timeout) as response:
+            return loads(response.read(1 << 20))
+    except Exception:
+        return None
+
+
 def discover(urls: list, api_key: str = "") -> Optional[tuple]:
     """The first of these OpenAI-compatible servers that answers /models with a model:
     (base url, model ids), or None. All are asked at once, within DISCOVERY_TIMEOUT."""
-    import urllib.request
     answers: dict = {}
 
     def ask(url: str) -> None:
-        try:
-            headers = {"Authorization": "Bearer " + api_key} if api_key else {}
-            request = urllib.request.Request(url.rstrip("/") + "/models", headers=headers)
-            with urllib.request.urlopen(request, timeout=DISCOVERY_TIMEOUT) as response:
-                data = loads(response.read(1 << 20))
-            models = [m["id"] for m in data.get("data", []) if isinstance(m, dict)
-                      and isinstance(m.get("id"), str)]
-            if models:
-                answers[url] = models
-        except Exception:
-            pass
+        data = server_json(url.rstrip("/") + "/models", api_key, DISCOVERY_TIMEOUT)
+        entries = data.get("data") if isinstance(data, dict) else None
+        models = [m["id"] for m in entries or [] if isinstance(m, dict)
+                  and isinstance(m.get("id"), str)]
+        if models:
+            answers[url] = models
     threads = [threading.Thread(target=ask, args=(url,), daemon=True) for url in urls]
     for thread in threads:
         thread.start()
