@@ -622,6 +622,8 @@ class Agent:
         while any(s.jobs for s in self.sessions.values()):
             now = time.time()
             for session in list(self.sessions.values()):
+                if not session.armed:           # reopened, and the user has not acted yet
+                    continue
                 due = [j for j in session.jobs if j["next"] <= now]
                 if not due or (session.turn is not None and not session.turn.done()):
                     continue                      # nothing due, or a turn runs: wait
@@ -813,7 +815,7 @@ class Agent:
                                                       session.mcp_servers):
             if approval and not await self.approve_server(session, name, spec):
                 continue
-            server = session.mcp[name] = McpServer(name, spec, self.config)
+            server = session.mcp[name] = McpServer(name, spec, self.config, not approval)
             starting.append(server.start())
         if starting:
             await asyncio.wait(starting)
@@ -824,29 +826,34 @@ class Agent:
                     f"so its tools are missing: {server.error}\n\n"))
 
     async def approve_server(self, session: Session, name: str, spec: dict) -> bool:
-        """A project plugin's server runs only once the user approved its exact command."""
-        line = " ".join([spec["command"]] + spec.get("args", []))
-        key = f"mcp-command:{line}"
-        remembered = self.ledger.lookup(session, key)
-        if remembered is not None:
-            return remembered
+        """A project plugin's server starts (or is connected to) only once the policy clears
+        it: an execute need for a command, a network need for a URL. The ledger key covers
+        everything that decides what runs or where data goes -- command, arguments, env,
+        folder, URL, headers -- so a change to any of it asks again."""
+        key = "mcp-server:" + digest(json.dumps(spec, sort_keys=True))
+        if spec["type"] == "stdio":
+            shown = "$ " + " ".join([spec["command"]] + spec["args"]) + f"\n(in {spec['cwd']})"
+            shown += "".join(f"\n{k}={v}" for k, v in spec.get("env", {}).items())
+            row = "execute"
+        else:
+            shown = f"{spec['type']} {spec['url']}" + "".join(
+                f"\n{k}: …" for k in spec.get("headers", {}))
+            row = (await host_need(spec["url"]))[0]
         call_id = "mcp-" + os.urandom(6).hex()
-        title = f"Start the project plugin's MCP server {name}: {line}"
-        self.update(session, tool_call(call_id, title, "execute", [{"path": spec["cwd"]}],
-                                       {"command": spec["command"], "args": spec["args"]}))
-        ctx = ToolContext(self, session, call_id, None, title)
-        choice = await ctx.choose([text_content(f"$ {line}\n(in {spec['cwd']})")], [
-            ("allow_once", "Allow this time", "allow_once"),
-            ("allow_project", "Always allow this command in this project", "allow_always"),
-            ("reject_once", "Do not start it", "reject_once"),
-            ("reject_project", "Never start it in this project", "reject_always")])
-        allowed = bool(choice and choice.startswith("allow"))
-        if choice in ("allow_project", "reject_project"):
-            self.ledger.remember(session, "project", key, allowed, f"the MCP server `{line}`")
-        self.update(session, tool_call_update(call_id, status="completed" if allowed else
-                                              "failed", content=[text_content(
-                                                  "Started." if allowed else "Not started.")]))
-        return allowed
+        card = tool_call(call_id, printable(f"Start the project plugin's MCP server {name}: "
+                                            + shown.splitlines()[0].lstrip("$ ")),
+                         "execute" if row == "execute" else "fetch",
+                         [{"path": spec["cwd"]}] if spec.get("cwd") else [], spec)
+        self.update(session, card)
+        ctx = ToolContext(self, session, call_id, None, card)
+        try:
+            await ctx.permit([text_content(printable(shown))],
+                             (row, key, f"the project's MCP server {name} as shown"))
+        except ToolError as e:
+            ctx.update(status="failed", content=[text_content(f"Not started: {e}")])
+            return False
+        ctx.update(status="completed", content=[text_content("Started.")])
+        return True
 
     def mcp_tools(self, session: Session) -> dict:
         """The session's MCP tools by the name the model calls them."""
@@ -994,7 +1001,7 @@ class Agent:
             raise RpcError.invalid_request(
                 f"session {session.id} is already running a turn; send session/cancel first")
         session.turn = pending = asyncio.get_running_loop().create_future()   # busy now
-        session.cancelling = False
+        session.cancelling, session.armed = False, True
         try:
             text, images = await prompt_content(
                 params.get("prompt"), lambda uri: self.read_link(session, uri))
@@ -1091,6 +1098,7 @@ class Session:
     text_tools: bool = False          # the model takes no tool definitions: text protocol
     jobs: list = field(default_factory=list)           # scheduled prompts (CronCreate)
     origin: Optional[dict] = None     # {"source": "cron", ...} while a job's turn runs
+    armed: bool = False               # the user acted in this process: its jobs may run
     notice: str = ""                                   # said in the thread when reopened
     commands: Optional[list] = None                    # the slash commands last announced
     seen: dict = field(default_factory=dict)           # path -> digest of what qcr last read
@@ -1565,6 +1573,56 @@ class Reply:
         return message
 
 
+def open_url(url: str, data: Optional[bytes] = None, headers: Optional[dict] = None,
+             secrets: Optional[dict] = None, timeout: Optional[float] = 30.0,
+             redirects: int = 5, method: Optional[str] = None) -> Any:
+    """Open an http(s) URL -- qcr's one HTTP client; the caller closes the response.
+
+    `secrets` (an API key, an MCP server's headers) go to the URL's origin alone: a
+    redirect to another origin (scheme, host and port) never carries them, and a redirect
+    off http(s) is refused. With redirects=0 a redirect is not followed: it raises an
+    HTTPError whose headers hold its Location. The proxy environment is honoured.
+    """
+    import urllib.error
+    import urllib.request
+    from urllib.parse import urlparse
+    if urlparse(url).scheme not in ("http", "https"):
+        raise urllib.error.URLError(f"only http(s) URLs are opened, not {url!r}")
+    origin = origin_of(url)
+    secrets = secrets or {}
+
+    class Redirects(urllib.request.HTTPRedirectHandler):
+        max_redirections = redirects
+
+        def redirect_request(self, request, fp, code, message, headers, new_url):
+            if redirects == 0:
+                return None
+            if urlparse(new_url).scheme not in ("http", "https"):
+                raise urllib.error.URLError(f"{url} redirected to {new_url}, which is not "
+                                            "http(s)")
+            new = super().redirect_request(request, fp, code, message, headers, new_url)
+            if new is not None and origin_of(new_url) == origin:
+                for name, value in secrets.items():
+                    new.add_unredirected_header(name, value)
+            return new
+    request = urllib.request.Request(url, data, dict(headers or {}), method=method)
+    for name, value in secrets.items():
+        request.add_unredirected_header(name, value)   # never copied to a redirect
+    opener = urllib.request.build_opener(Redirects)
+    return opener.open(request, timeout=timeout)
+
+
+def origin_of(url: str) -> tuple:
+    from urllib.parse import urlparse
+    parsed = urlparse(url)
+    default = {"http": 80, "https": 443}.get(parsed.scheme)
+    try:
+        port = parsed.port or default
+    except ValueError:
+        port = None
+    return parsed.scheme, (parsed.hostname or "").lower(), port
+
+
 class HttpStream:
     """One streaming HTTP POST, read in a daemon thread into an asyncio queue.
 
@@ -1572,8 +1630,9 @@ class HttpStream:
     ("error", ProviderError), and finally ("end", saw_done).
     """
 
-    def __init__(self, url: str, headers: dict, body: bytes, timeout: float, base_url: str):
-        self.url, self.headers, self.body = url, headers, body
+    def __init__(self, url: str, headers: dict, body: bytes, timeout: float, base_url: str,
+                 secrets: Optional[dict] = None):
+        self.url, self.headers, self.body, self.secrets = url, headers, body, secrets
         self.timeout, self.base_url = timeout, base_url
         self.response = None
         self.aborted = False
@@ -1601,10 +1660,9 @@ class HttpStream:
 
     def _run(self, put: Callable) -> None:
         import urllib.error
-        import urllib.request
         try:
-            request = urllib.request.Request(self.url, self.body, self.headers, method="POST")
-            self.response = response = urllib.request.urlopen(request, timeout=self.timeout)
+            self.response = response = open_url(self.url, self.body, self.headers,
+                                                self.secrets, self.timeout, method="POST")
             if self.aborted:
                 return response.close()
             if "text/event-stream" not in response.headers.get("Content-Type", ""):
@@ -1709,7 +1767,7 @@ class Provider:
 
     async def attempt(self, body: bytes, reply: Reply, emit: Callable) -> Reply:
         call = HttpStream(self.url(), self.headers(), body, self.config.request_timeout,
-                          self.base_url())
+                          self.base_url(), self.secrets())
         queue: asyncio.Queue = asyncio.Queue()
         call.start(queue)
         try:
@@ -1749,6 +1807,10 @@ class Provider:
         return {"Content-Type": "application/json", "Accept": "text/event-stream",
                 "User-Agent": f"qcr/{__version__}"}
 
+    def secrets(self) -> dict:
+        """The credentials: sent to the model server's origin and nowhere else."""
+        return {}
+
     def request_body(self, messages: list, tools: list) -> dict:
         raise NotImplementedError
 
@@ -1774,11 +1836,8 @@ class OpenAIProvider(Provider):
     def url(self) -> str:
         return self.config.base_url.rstrip("/") + "/chat/completions"
 
-    def headers(self) -> dict:
-        headers = super().headers()
-        if self.config.api_key:
-            headers["Authorization"] = "Bearer " + self.config.api_key
-        return headers
+    def secrets(self) -> dict:
+        return {"Authorization": "Bearer " + self.config.api_key} if self.config.api_key else {}
 
     def request_body(self, messages: list, tools: list) -> dict:
         body: dict = {"model": self.model, "messages": [self.outgoing(m) for m in messages],
@@ -1861,10 +1920,10 @@ class AnthropicProvider(Provider):
         return base + ("/messages" if base.endswith("/v1") else "/v1/messages")
 
     def headers(self) -> dict:
-        headers = super().headers()
-        headers.update({"x-api-key": self.config.anthropic_api_key,
-                        "anthropic-version": "2023-06-01"})
-        return headers
+        return dict(super().headers(), **{"anthropic-version": "2023-06-01"})
+
+    def secrets(self) -> dict:
+        return {"x-api-key": self.config.anthropic_api_key}
 
     def request_body(self, messages: list, tools: list) -> dict:
         system = "\n\n".join(m["content"] for m in messages if m["role"] == "system")
@@ -1993,8 +2052,9 @@ def make_provider(config: Config, model: str) -> Provider:
 # model reads, its parameters a small JSON schema. Every call shows up in the editor as a
 # tool call card: announced as `pending` with a title, a kind (the card's icon) and the
 # files it touches; `in_progress` once running; then `completed` or `failed` with content.
-# A tool that changes something calls `ctx.confirm()` first -- the one permission path,
-# which knows the session's mode and the user's remembered answers. A ToolError is an
+# A tool declares its effects, and calls `ctx.permit()` with what it is about to do just
+# before it does it -- the one permission path (the policy below), which knows the mode,
+# who started the turn and the user's remembered answers. A ToolError is an
 # expected failure: its message goes back to the model as the result, so it can correct
 # itself; it never ends the turn.
 
@@ -2004,6 +2064,7 @@ class ToolError(Exception):
 
 @dataclass
 class ToolResult:
+    """What a tool call produced: the model's text, the card's content, its raw output."""
     output: str                                    # what the model reads
     content: list = field(default_factory=list)    # what the user sees (ToolCallContent)
     raw: Any = None                                # rawOutput, shown when content is empty
@@ -2012,12 +2073,14 @@ class ToolResult:
 
 @dataclass
 class Tool:
+    """One tool the model can call: its schema, what it may do (`effects`, which the
+    permission policy decides on), and the card's icon (`kind`, which it never does)."""
     name: str
     kind: str                   # ACP ToolKind: read, edit, delete, move, search, execute, …
     run: Callable
     description: str
     parameters: dict
-    changes: bool               # changes files or runs commands: needs permission
+    effects: tuple              # what it may do: read, write, delete, execute, network, …
     title: Callable             # (args, ctx) -> the card's title
     modes: tuple = ()           # the modes that offer it to the model; () = all
     web: bool = False           # needs the network: not offered when "web" is false
@@ -2026,15 +2089,16 @@ class Tool:
 TOOLS: dict = {}      # tool name as the model sees it -> Tool, filled by @tool
 
 
-def tool(name: str, kind: str, params: dict, *, required: tuple = (), changes: bool = False,
+def tool(name: str, kind: str, params: dict, *, required: tuple = (), effects: tuple = (),
          title: Optional[Callable] = None, modes: tuple = (), web: bool = False):
     """Register an async function as a tool the model can call."""
     import inspect
+    assert all(e in EFFECTS for e in effects), effects
 
     def register(run):
         TOOLS[name] = Tool(name, kind, run, inspect.cleandoc(run.__doc__ or name),
                            {"type": "object", "properties": params, "required": list(required)},
-                           changes, title or (lambda args, ctx: name), modes, web)
+                           effects, title or (lambda args, ctx: name), modes, web)
         return run
     return register
 
@@ -2045,8 +2109,7 @@ def arg(type_name: str, description: str, **extra) -> dict:
 
 
 def tool_specs(mode: str, web: bool = True, extra: Optional[dict] = None) -> list:
-    """The tools as the model is offered them (qcr's and `extra`, a session's MCP tools);
-    plan mode offers only read-only ones."""
+    """The tools as the model is offered them (qcr's and `extra`, a session's MCP tools)."""
     every = list(TOOLS.values()) + list((extra or {}).values())
     return [{"type": "function", "function": {"name": t.name, "description": t.description,
                                               "parameters": t.parameters}}
@@ -2054,10 +2117,75 @@ def tool_specs(mode: str, web: bool = True, extra: Optional[dict] = None) -> lis
 
 
 def offered(tool_: Tool, mode: str, web: bool = True) -> bool:
-    """Does the model get this tool in this mode? (Web tools only while the web is on.)"""
+    """Does the model get this tool in this mode? Not when the policy refuses what it does
+    there (plan mode: every change), nor web tools while the web is off."""
     if tool_.web and not web:
         return False
-    return (not tool_.modes or mode in tool_.modes) and (mode != "plan" or not tool_.changes)
+    return (not tool_.modes or mode in tool_.modes) and \
+        all(verdict(mode, effect, "user") != REFUSE for effect in tool_.effects)
+
+
+# -- The permission policy ---------------------------------------------------------------------
+#
+# Every call that touches the machine is decided here, once, at the moment it acts: qcr's
+# tools, MCP tools of every transport, a project plugin's servers, and scheduled turns. The
+# inputs are what the call will do -- its *effects*, declared by each tool (never read off
+# its ACP kind, which is only the card's icon) -- where it does it (paths with symlinks
+# resolved, inside or outside the session's folders; a host), the session's mode, who
+# started the turn (the user, or a scheduled job), and the ledger of remembered answers.
+# The verdict is allow, ask (the ledger, then a permission card) or refuse.
+
+ALLOW, ASK, REFUSE = "allow", "ask", "refuse"
+EFFECTS = ("read", "write", "delete", "execute", "network", "schedule", "mode")
+POLICY = {   # what a call does, and where -> the verdict in each of MODE_IDS' modes
+    #                      default  plan    auto-edit  yolo
+    "read":               (ALLOW,  ALLOW,  ALLOW,     ALLOW),
+    "read outside":       (ASK,    REFUSE, ASK,       ALLOW),
+    "write":              (ASK,    REFUSE, ALLOW,     ALLOW),
+    "write outside":      (ASK,    REFUSE, ASK,       ALLOW),
+    "delete":             (ASK,    REFUSE, ALLOW,     ALLOW),
+    "delete outside":     (ASK,    REFUSE, ASK,       ALLOW),
+    "execute":            (ASK,    REFUSE, ASK,       ALLOW),   # also: writing inside .git
+    "network":            (ASK,    ASK,    ASK,       ALLOW),
+    "network private":    (ASK,    ASK,    ASK,       ASK),     # loopback, LAN, link-local
+    "schedule":           (ASK,    REFUSE, ASK,       ALLOW),
+    "mode":               (ASK,    ASK,    ASK,       ASK),     # ExitPlanMode's card
+}
+NOT_FROM_JOBS = ("schedule", "mode")   # what a scheduled turn may never do
+PLAN_REFUSAL = ("Refused: the session is in plan mode, which is read-only. Explore and write "
+                "the plan; the user switches the mode when it is time to make changes.")
+JOB_REFUSAL = ("Refused: this turn was started by a scheduled job, and scheduled turns may "
+               "not schedule prompts or change the mode; the user can, in a prompt of theirs.")
+DECLINED = ("The user declined this. Do not try it again; ask the user what to do instead, "
+            "or take another approach.")
+
+
+def verdict(mode: str, row: str, origin: str) -> str:
+    """The policy's answer for one effect (a POLICY row) in a mode, for a turn's origin."""
+    if origin != "user" and row.split()[0] in NOT_FROM_JOBS:
+        return REFUSE
+    return POLICY[row][MODE_IDS.index(mode) if mode in MODE_IDS else 0]
+
+
+def real_path(path: str, follow: bool = True) -> str:
+    """The path with every symlink resolved -- but the last one when `follow` is false."""
+    if follow:
+        return os.path.realpath(path)
+    return os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+
+
+def path_need(roots: list, effect: str, real: str) -> tuple:
+    """(POLICY row, ledger key, label) for an effect on a real path (symlinks resolved):
+    outside the roots is its own row; a change inside any .git folder is execute."""
+    if effect != "read" and ".git" in real.lower().split(os.sep):
+        return "execute", f"Git={real}", f"this change inside .git ({real})"
+    if not within(real, roots, resolved=True):
+        folder = real if os.path.isdir(real) else os.path.dirname(real)
+        words = {"read": "reading", "write": "changes", "delete": "deleting"}[effect]
+        return f"{effect} outside", f"Outside:{effect}:{folder}", f"{words} in {folder}"
+    if effect == "read":
+        return "read", "", ""
+    return effect, "edit", "file changes"
 
 
 def check_args(tool_: Tool, args: Any) -> dict:
@@ -2111,12 +2239,16 @@ def coerce(name: str, value: Any, spec: dict) -> Any:
 
 class ToolContext:
     """What a running tool may use: the session and its folders, the editor's buffers and
-    terminals, and the user's permission."""
+    terminals, and the permission policy, asked through `permit()`."""
 
-    def __init__(self, agent: Agent, session: Session, call_id: str, tool_: Tool, title: str):
-        self.agent, self.session, self.call_id = agent, session, call_id
-        self.tool, self.title = tool_, title
+    def __init__(self, agent: Agent, session: Session, call_id: str, tool_: Optional[Tool],
+                 card: dict):
+        self.agent, self.session, self.call_id, self.tool = agent, session, call_id, tool_
+        self.card = card             # the tool_call as announced: kind, title, rawInput, …
+        self.title = card.get("title", "")
         self.started = False
+        self.approved: dict = {}     # path -> (its real path when the policy decided, follow)
+        self.cleared: set = set()    # ledger keys the user allowed for this call
 
     @property
     def cwd(self) -> str:
@@ -2143,22 +2275,30 @@ class ToolContext:
     def inside(self, path: str) -> bool:
         return within(path, self.session.roots())
 
-    async def resolve(self, path: Any) -> str:
-        """An absolute path (a relative one is taken from the session's cwd), cleared for use:
-        a path outside every folder of the session needs the user's permission first, and is
-        refused in plan mode."""
+    def resolve(self, path: Any) -> str:
+        """An absolute path; a relative one is taken from the session's cwd."""
         if not isinstance(path, str) or not path.strip():
             raise ToolError("a path must be a non-empty string")
-        full = absolute(self.cwd, path)
-        if not self.inside(full):
-            if self.session.mode == "plan":
-                raise ToolError(f"{full} is outside the project's folders, and plan mode "
-                                "stays inside them.")
-            folder = full if os.path.isdir(full) else os.path.dirname(full)
-            await self.confirm([text_content(f"{self.tool.name} wants to use {full}, which "
-                                             "is outside the project's folders.")],
-                               "Outside:" + folder, f"access to {folder}", outside=True)
-        return full
+        if "\0" in path:
+            raise ToolError("a path cannot contain a NUL character")
+        return absolute(self.cwd, path)
+
+    def on_path(self, effect: str, path: str) -> tuple:
+        """The policy's need for an effect on a path; its real path is kept for `real()`.
+        Deleting or moving acts on a link itself, not on what it points to."""
+        follow = effect != "delete"
+        self.approved[path] = (real_path(path, follow), follow)
+        return path_need(self.session.roots(), effect, self.approved[path][0])
+
+    def real(self, path: str) -> str:
+        """The real path to open now -- refused if it no longer leads where it led when the
+        policy decided (a folder swapped for a symlink while the card was open)."""
+        then, follow = self.approved.get(path, ("", True))
+        now = real_path(path, follow)
+        if then != now:
+            raise ToolError(f"{path} now leads to {now}, not where it led when this call "
+                            "was cleared; nothing was done. Check the path and try again.")
+        return now
 
     # -- files, through the editor when it offers them ----------------------------------------
     async def read(self, path: str, remember: bool = True) -> Optional[str]:
@@ -2168,18 +2308,19 @@ class ToolContext:
         (unsaved changes included); otherwise the disk does. qcr remembers a digest of what
         it read, for the stale-write guard in read_for_change().
         """
-        on_disk = check_regular(path)      # a folder or a FIFO is refused before any open
+        real = self.real(path)
+        on_disk = check_regular(real)      # a folder or a FIFO is refused before any open
         text = None
-        if self.agent.client_can("fs", "readTextFile") and self.inside(path):
+        if self.agent.client_can("fs", "readTextFile") and self.inside(real):
             try:
                 result = await self.agent.conn.request(
-                    "fs/read_text_file", {"sessionId": self.session.id, "path": path})
+                    "fs/read_text_file", {"sessionId": self.session.id, "path": real})
                 if isinstance(result, dict) and isinstance(result.get("content"), str):
                     text = result["content"]
             except RpcError:
                 pass       # no such buffer or file, or a refusal: the disk decides
         if text is None and on_disk:
-            text = read_text(path)
+            text = read_text(real)
         if remember and text is not None:
             self.session.seen[path] = digest(text)
         return text
@@ -2189,74 +2330,104 @@ class ToolContext:
         seen = self.session.seen.get(path)
         text = await self.read(path, remember=False)
         if seen is not None and (text is None or digest(text) != seen):
-            raise ToolError(f"{path} has changed since you last read it (in the editor, or by "
-                            "a command). Read it again, then make the change.")
+            raise StaleFile(f"{path} has changed since you last read it (in the editor, or "
+                            "by a command). Read it again, then make the change.")
         return text
 
     async def write(self, path: str, text: str) -> None:
         """Write a file through the editor when it can (its buffers, its review of changes),
-        else to disk."""
-        if self.agent.client_can("fs", "writeTextFile") and self.inside(path):
+        else to disk -- at the real path checked now, never through a swapped link."""
+        real = self.real(path)
+        if self.agent.client_can("fs", "writeTextFile") and self.inside(real):
             try:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
+                os.makedirs(os.path.dirname(real), exist_ok=True)
                 await self.agent.conn.request("fs/write_text_file", {
-                    "sessionId": self.session.id, "path": path, "content": text})
+                    "sessionId": self.session.id, "path": real, "content": text})
                 await self.read(path)      # format-on-save may have changed what landed
                 return
             except (RpcError, OSError) as e:
-                log(f"fs/write_text_file failed for {path}; writing to disk: {e}")
-        write_text(path, text)
+                log(f"fs/write_text_file failed for {real}; writing to disk: {e}")
+        write_text(real, text)
         self.session.seen[path] = digest(text)
 
     # -- permission ---------------------------------------------------------------------------
-    async def confirm(self, content: list, key: str, label: str, outside: bool = False) -> None:
-        """Ask the user before a change; raises ToolError if it may not happen.
+    async def permit(self, content: list, *needs: tuple) -> None:
+        """Clear this call with the policy, or raise ToolError. Each need is (POLICY row,
+        ledger key, label); a row of the "ask" kind is settled by a remembered answer for
+        its key, else by one permission card for all of them, showing `content`."""
+        unsettled = []
+        for key, label in self.check(needs):
+            remembered = self.agent.ledger.lookup(self.session, key) if key else None
+            if remembered is False:
+                raise ToolError(DECLINED)
+            if remembered is None and key not in self.cleared:
+                unsettled.append((key, label))
+        if unsettled and not content:     # say why a read asks: where it goes
+            content = [text_content(
+                f"{self.tool.name if self.tool else 'qcr'} wants to use {path}, which is "
+                "outside the project's folders.") for path, (real, _) in self.approved.items()
+                if not within(real, self.session.roots(), resolved=True)]
+        if unsettled and not await self.ask(content, unsettled):
+            raise ToolError(DECLINED)
+        self.cleared.update(key for key, _ in unsettled)
+        self.start()
 
-        Plan mode refuses; yolo allows everything; auto-edit allows file changes inside the
-        project; a remembered answer for `key` (this session's, this project's, or
-        everywhere's) decides; otherwise the editor shows a permission card with `content`
-        (the diff, the command, the path).
-        """
-        session = self.session
-        if session.mode == "plan":
-            raise ToolError(PLAN_REFUSAL)
-        if session.mode == "yolo" or (session.mode == "auto-edit" and not outside and
-                                      self.tool.kind not in ("execute",)):
-            allowed: Optional[bool] = True
-        else:
-            allowed = self.agent.ledger.lookup(session, key)
-        if allowed is None:
-            allowed = await self.ask(content, key, label)
-        if not allowed:
-            raise ToolError("The user declined this. Do not try it again; ask the user what "
-                            "to do instead, or take another approach.")
-        if not outside:
-            self.start()
+    def check(self, needs: tuple) -> list:
+        """The policy's verdicts for the needs: ToolError on a refusal, else the (key,
+        label) of each that asks."""
+        session, asks = self.session, []
+        origin = (session.origin or {}).get("source", "user")
+        for row, key, label in needs:
+            effect = row.split()[0]
+            if self.tool is not None and effect not in self.tool.effects:
+                raise RuntimeError(f"{self.tool.name} did not declare the effect {effect}")
+            answer = verdict(session.mode, row, origin)
+            if answer == REFUSE and origin != "user" and effect in NOT_FROM_JOBS:
+                raise ToolError(JOB_REFUSAL)
+            if answer == REFUSE and row.endswith("outside"):
+                raise ToolError(f"Refused: {label} is outside the project's folders, and "
+                                f"{session.mode} mode stays inside them.")
+            if answer == REFUSE:
+                raise ToolError(PLAN_REFUSAL)
+            if answer == ASK and all(key != k for k, _ in asks):
+                asks.append((key, label))
+        return asks
 
-    async def ask(self, content: list, key: str, label: str) -> bool:
-        """The permission card: once, or remembered for the session, project or everywhere."""
-        choice = await self.choose(content, [
-            ("allow_once", "Allow", "allow_once"),
-            ("allow_session", f"Allow {label} for this session", "allow_always"),
-            ("allow_project", f"Always allow {label} in this project", "allow_always"),
-            ("allow_global", f"Always allow {label} everywhere", "allow_always"),
-            ("reject_once", "Reject", "reject_once"),
-            ("reject_session", f"Reject {label} for this session", "reject_always"),
-            ("reject_project", f"Always reject {label} in this project", "reject_always")])
+    async def ask(self, content: list, needs: list) -> bool:
+        """The permission card: once, or remembered for the session, project or everywhere
+        (for every need it covers)."""
+        label = " and ".join(label for _, label in needs)
+        options = [("allow_once", "Allow", "allow_once")]
+        if all(key for key, _ in needs):
+            options += [
+                ("allow_session", f"Allow {label} for this session", "allow_always"),
+                ("allow_project", f"Always allow {label} in this project", "allow_always"),
+                ("allow_global", f"Always allow {label} everywhere", "allow_always")]
+        options.append(("reject_once", "Reject", "reject_once"))
+        if all(key for key, _ in needs):
+            options += [
+                ("reject_session", f"Reject {label} for this session", "reject_always"),
+                ("reject_project", f"Always reject {label} in this project", "reject_always")]
+        choice = await self.choose(content, options)
         if choice is None:
             raise ToolError("The permission request was cancelled or failed; not done.")
         allowed, _, scope = choice.partition("_")
         if scope in SCOPES:
-            self.agent.ledger.remember(self.session, scope, key, allowed == "allow", label)
+            for key, label in needs:
+                self.agent.ledger.remember(self.session, scope, key, allowed == "allow", label)
         return allowed == "allow"
 
     async def choose(self, content: list, options: list) -> Optional[str]:
         """Show a card with buttons (session/request_permission); the chosen optionId, or None
-        if the request was cancelled or failed."""
+        if the request was cancelled or failed. The request carries the whole tool call --
+        kind, title, rawInput, locations, status -- so a client that approves by kind
+        cannot mistake a command for a read."""
         card = tool_call_update(self.call_id, title=self.title, content=content)
         self.session.record(card)    # the request itself carries it to the client
+        announced = {k: v for k, v in self.card.items() if k != "sessionUpdate"}
         request = {"sessionId": self.session.id,
-                   "toolCall": {k: v for k, v in card.items() if k != "sessionUpdate"},
+                   "toolCall": {**announced, "toolCallId": self.call_id, "title": self.title,
+                                "content": content, "status": "pending"},
                    "options": [{"optionId": o, "name": n, "kind": k} for o, n, k in options]}
         try:
             result = await self.agent.conn.request("session/request_permission", request)
@@ -2271,6 +2442,10 @@ class ToolContext:
         return outcome["optionId"]
 
 
+class StaleFile(ToolError):
+    """The file changed since qcr last read it: the change is not made."""
+
+
 SCOPES = ("session", "project", "global")
 
 
@@ -2279,9 +2454,9 @@ def absolute(cwd: str, path: str) -> str:
     return os.path.normpath(os.path.join(cwd, os.path.expanduser(path.strip())))
 
 
-def within(path: str, roots: list) -> bool:
-    """Is the path in one of the folders, once symlinks are resolved?"""
-    real = os.path.realpath(path)
+def within(path: str, roots: list, resolved: bool = False) -> bool:
+    """Is the path in one of the folders, once symlinks are resolved (`resolved`: they are)?"""
+    real = path if resolved else os.path.realpath(path)
     for root in roots:
         root = os.path.realpath(root)
         if real == root or real.startswith(root.rstrip(os.sep) + os.sep):
@@ -2360,8 +2535,6 @@ class Ledger:
         self.write(data)
 
 
-PLAN_REFUSAL = ("Refused: the session is in plan mode, which is read-only. Explore and write "
-                "the plan; the user switches the mode when it is time to make changes.")
 READ_LINES = 2000              # lines ReadFile returns by default
 READ_CHARS = 200_000           # most characters ReadFile returns at once
 LINE_CHARS = 2000              # longer lines are cut in ReadFile and Grep output
@@ -2436,22 +2609,23 @@ READ_WHOLE_BYTES = 16 << 20    # larger files are paged straight from disk
     "path": arg("string", "The file, absolute or relative to the project root"),
     "offset": arg("integer", "First line to read, 1-based (default 1)"),
     "limit": arg("integer", f"How many lines to read (default {READ_LINES})"),
-}, required=("path",), title=path_title("Read"))
+}, required=("path",), effects=("read",), title=path_title("Read"))
 async def read_file(ctx: ToolContext, path: str, offset: int = 1, limit: int = READ_LINES):
     """Read a text file. Each line comes as: line number, a tab, the text. Long files are
     read a page at a time: pass offset and limit to read further."""
-    full = await ctx.resolve(path)
+    full = ctx.resolve(path)
+    await ctx.permit([], ctx.on_path("read", full))
     offset, limit = max(1, offset), max(1, limit)
-    on_disk = check_regular(full)
+    on_disk = check_regular(ctx.real(full))
     try:
         if on_disk:
-            with open(full, "rb") as f:
+            with open(ctx.real(full), "rb") as f:
                 if b"\0" in f.read(8192):
                     size = os.fstat(f.fileno()).st_size
                     return ToolResult(f"{full} is a binary file ({size} bytes); not shown.",
                                       raw={"path": full, "binary": True, "bytes": size})
         if on_disk and os.path.getsize(full) > READ_WHOLE_BYTES:
-            with open(full, "rb") as f:
+            with open(ctx.real(full), "rb") as f:
                 shown, total = page_lines((raw.decode("utf-8", "replace") for raw in f),
                                           offset, limit)
         else:
@@ -2493,14 +2667,15 @@ def page_lines(lines: Any, offset: int, limit: int) -> tuple:
 @tool("WriteFile", "edit", {
     "path": arg("string", "The file to create or replace"),
     "content": arg("string", "The whole new content of the file"),
-}, required=("path", "content"), changes=True, title=path_title("Write"))
+}, required=("path", "content"), effects=("write", "execute"), title=path_title("Write"))
 async def write_file(ctx: ToolContext, path: str, content: str):
     """Create a file, or replace a file's whole content. Parent folders are created. To change
     part of an existing file, use EditFile."""
-    full = await ctx.resolve(path)
+    full = ctx.resolve(path)
+    need = ctx.on_path("write", full)
     old = await ctx.read_for_change(full)
     diff = diff_content(full, old, content)
-    await ctx.confirm([diff], "edit", "file changes")
+    await ctx.permit([diff], need)
     await ctx.write(full, content)
     verb = "Created" if old is None else "Replaced"
     return ToolResult(f"{verb} {full} ({count_lines(content)} lines).", [diff],
@@ -2514,12 +2689,14 @@ async def write_file(ctx: ToolContext, path: str, content: str):
                                 "occur exactly once unless replace_all is true"),
     "new_string": arg("string", "The text to put in its place"),
     "replace_all": arg("boolean", "Replace every occurrence (default false)"),
-}, required=("path", "old_string", "new_string"), changes=True, title=path_title("Edit"))
+}, required=("path", "old_string", "new_string"), effects=("write", "execute"),
+    title=path_title("Edit"))
 async def edit_file(ctx: ToolContext, path: str, old_string: str, new_string: str,
                     replace_all: bool = False):
     """Replace exact text in a file. Read the file first and copy old_string exactly,
     with its indentation. An empty old_string creates a new file with new_string."""
-    full = await ctx.resolve(path)
+    full = ctx.resolve(path)
+    need = ctx.on_path("write", full)
     text = await ctx.read_for_change(full)
     existed = text is not None
     if text is None:
@@ -2549,7 +2726,7 @@ async def edit_file(ctx: ToolContext, path: str, old_string: str, new_string: st
         new_text = text.replace(old_string, new_string, -1 if replace_all else 1)
     line = text[:text.find(old_string)].count("\n") + 1 if old_string else 1
     diff = diff_content(full, text if existed else None, new_text)
-    await ctx.confirm([diff], "edit", "file changes")
+    await ctx.permit([diff], need)
     await ctx.write(full, new_text)
     replaced = count if replace_all else 1
     return ToolResult(f"Edited {full}: replaced {replaced} occurrence(s) at line {line}.",
@@ -2559,24 +2736,25 @@ async def edit_file(ctx: ToolContext, path: str, old_string: str, new_string: st
 
 @tool("DeleteFile", "delete", {
     "path": arg("string", "The file to delete"),
-}, required=("path",), changes=True, title=path_title("Delete"))
+}, required=("path",), effects=("delete", "execute"), title=path_title("Delete"))
 async def delete_file(ctx: ToolContext, path: str):
     """Delete a file (not a folder)."""
-    full = await ctx.resolve(path)
+    full = ctx.resolve(path)
     if os.path.isdir(full):
         raise ToolError(f"{full} is a directory; DeleteFile deletes files only.")
     if not os.path.lexists(full):
         raise ToolError(f"no such file: {full}")
+    need = ctx.on_path("delete", full)
     try:
         old = await ctx.read_for_change(full)
         shown = diff_content(full, old or "", "")
-    except ToolError as e:
-        if "changed since" in str(e):
-            raise
+    except StaleFile:
+        raise
+    except ToolError:
         shown = text_content(f"Delete {full}")     # not text: a sentence instead of a diff
-    await ctx.confirm([shown], "edit", "file changes")
+    await ctx.permit([shown], need)
     try:
-        os.remove(full)
+        os.remove(ctx.real(full))
     except OSError as e:
         raise ToolError(f"cannot delete {full}: {e.strerror}") from None
     ctx.session.seen.pop(full, None)
@@ -2586,21 +2764,22 @@ async def delete_file(ctx: ToolContext, path: str):
 @tool("MoveFile", "move", {
     "source": arg("string", "The file or folder to move"),
     "destination": arg("string", "Where it goes; must not exist yet"),
-}, required=("source", "destination"), changes=True,
+}, required=("source", "destination"), effects=("write", "delete", "execute"),
     title=lambda args, ctx: f"Move {args.get('source')} → {args.get('destination')}")
 async def move_file(ctx: ToolContext, source: str, destination: str):
     """Move or rename a file or folder. Parent folders of the destination are created."""
-    src, dst = await ctx.resolve(source), await ctx.resolve(destination)
+    src, dst = ctx.resolve(source), ctx.resolve(destination)
     if not os.path.lexists(src):
         raise ToolError(f"no such file: {src}")
     if os.path.lexists(dst):
         raise ToolError(f"{dst} already exists; choose another destination or delete it first.")
     shown = text_content(f"Move {src} → {dst}")
-    await ctx.confirm([shown], "edit", "file changes")
+    await ctx.permit([shown], ctx.on_path("delete", src), ctx.on_path("write", dst))
     try:
         import shutil
-        os.makedirs(os.path.dirname(dst), exist_ok=True)
-        shutil.move(src, dst)
+        real_src, real_dst = ctx.real(src), ctx.real(dst)
+        os.makedirs(os.path.dirname(real_dst), exist_ok=True)
+        shutil.move(real_src, real_dst)
     except OSError as e:
         raise ToolError(f"cannot move {src}: {e.strerror or e}") from None
     ctx.session.seen.pop(src, None)
@@ -2660,9 +2839,9 @@ def walk_files(root: str) -> list:
     import subprocess
     try:
         listed = subprocess.run(
-            ["git", "-C", root, "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            timeout=30)
+            git_command(root, "ls-files", "-z", "--cached", "--others", "--exclude-standard"),
+            env=git_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL, timeout=30)
         if listed.returncode == 0:     # (a tracked file deleted since may be listed)
             names = listed.stdout.decode("utf-8", "replace").split("\0")
             return sorted(set(names) - {""})
@@ -2676,6 +2855,34 @@ def walk_files(root: str) -> list:
         dirs[:] = sorted(d for d in dirs if d != ".git" and not ignored(prefix + d, True, rules))
         found.extend(prefix + f for f in files if not ignored(prefix + f, False, rules))
     return sorted(found)
+
+
+# A repository's own configuration (.git/config, and what it includes) can name programs
+# that git runs: core.fsmonitor on every file listing, a pager, diff and merge drivers,
+# filters, credential helpers, ssh commands. The git commands qcr runs itself override
+# each of them on the command line, which beats any configuration file.
+GIT_SAFE = ("core.fsmonitor=false", "core.hooksPath=/dev/null", "core.pager=cat",
+            "core.sshCommand=false", "core.askPass=", "credential.helper=",
+            "diff.external=", "core.untrackedCache=false", "protocol.allow=never",
+            "core.alternateRefsCommand=false", "uploadpack.packObjectsHook=false")
+
+
+def git_command(root: str, *args: str) -> list:
+    """A git command line for `root` that no repository configuration can make run a
+    program; filters and textconv are never asked for by the commands qcr runs."""
+    command = ["git"]
+    for setting in GIT_SAFE:
+        command += ["-c", setting]
+    return command + ["-C", root, "--no-pager", *args]
+
+
+def git_env() -> dict:
+    """qcr's environment without what would point git elsewhere or at other programs."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("GIT_") or k in ("GIT_CEILING_DIRECTORIES",)}
+    env.update(GIT_CONFIG_NOSYSTEM="1", GIT_TERMINAL_PROMPT="0", GIT_OPTIONAL_LOCKS="0",
+               GIT_NO_REPLACE_OBJECTS="1")
+    return env
 
 
 def gitignore_rules(root: str) -> list:
@@ -2699,18 +2906,30 @@ def gitignore_rules(root: str) -> list:
     return rules
 
 
+def searchable(path: str, roots: list) -> bool:
+    """May Grep or Glob open or list this file? A regular file, and a link only when it
+    stays inside the roots: never a device, FIFO or socket, never a way out."""
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return os.path.islink(path) and within(path, roots) and os.path.isfile(path)
+    except OSError:
+        return False
+    return True
+
+
 def ignored(rel: str, is_dir: bool, rules: list) -> bool:
     return any(match(rel) for match, directory_only in rules if is_dir or not directory_only)
 
 
 @tool("LS", "read", {
     "path": arg("string", "The folder to list (default: the project root)"),
-}, title=lambda args, ctx: f"List {args.get('path') or '.'}")
+}, effects=("read",), title=lambda args, ctx: f"List {args.get('path') or '.'}")
 async def ls(ctx: ToolContext, path: str = "."):
     """List a folder: sub-folders end with "/", files show their size in bytes."""
-    full = await ctx.resolve(path)
+    full = ctx.resolve(path)
+    await ctx.permit([], ctx.on_path("read", full))
     try:
-        entries = sorted(os.scandir(full), key=lambda e: (not e.is_dir(), e.name))
+        entries = sorted(os.scandir(ctx.real(full)), key=lambda e: (not e.is_dir(), e.name))
     except FileNotFoundError:
         raise ToolError(f"no such folder: {full}") from None
     except NotADirectoryError:
@@ -2735,15 +2954,19 @@ async def ls(ctx: ToolContext, path: str = "."):
     "pattern": arg("string", 'A glob such as "**/*.py" or "src/**/test_*.ts"; a pattern '
                               'without "/" matches file names at any depth'),
     "path": arg("string", "The folder to search (default: the project root)"),
-}, required=("pattern",), title=lambda args, ctx: f"Find {args.get('pattern')}")
+}, required=("pattern",), effects=("read",),
+    title=lambda args, ctx: f"Find {args.get('pattern')}")
 async def glob(ctx: ToolContext, pattern: str, path: str = "."):
     """Find files by name pattern. Skips .git and files that .gitignore ignores."""
-    root = await ctx.resolve(path)
-    if not os.path.isdir(root):
-        raise ToolError(f"no such folder: {root}")
+    root = ctx.resolve(path)
     match = glob_matcher(pattern)
-    files = [f for f in await asyncio.to_thread(walk_files, root)
-             if match(f) and os.path.isfile(os.path.join(root, f))]
+    await ctx.permit([], ctx.on_path("read", root))
+    real = ctx.real(root)
+    if not os.path.isdir(real):
+        raise ToolError(f"no such folder: {root}")
+    roots = [real] + ctx.session.roots()
+    files = [f for f in await asyncio.to_thread(walk_files, real)
+             if match(f) and searchable(os.path.join(real, f), roots)]
     shown = [ctx.display(os.path.join(root, f)) for f in files[:LIST_LIMIT]]
     if len(files) > LIST_LIMIT:
         shown.append(f"[{len(files) - LIST_LIMIT} more files; narrow the pattern]")
@@ -2757,7 +2980,8 @@ async def glob(ctx: ToolContext, pattern: str, path: str = "."):
     "glob": arg("string", 'Only files matching this glob, e.g. "*.py"'),
     "ignore_case": arg("boolean", "Match case-insensitively (default false)"),
     "max_results": arg("integer", "Most matching lines to return (default 200)"),
-}, required=("pattern",), title=lambda args, ctx: f"Search for {args.get('pattern')}")
+}, required=("pattern",), effects=("read",),
+    title=lambda args, ctx: f"Search for {args.get('pattern')}")
 async def grep(ctx: ToolContext, pattern: str, path: str = ".", glob: Optional[str] = None,
                ignore_case: bool = False, max_results: int = 200):
     """Search file contents with a regular expression. Results come as path:line: text.
@@ -2768,12 +2992,15 @@ async def grep(ctx: ToolContext, pattern: str, path: str = ".", glob: Optional[s
         raise ToolError(f"invalid regular expression {pattern!r}: {e}") from None
     if glob:
         glob_matcher(glob)
-    root = await ctx.resolve(path)
-    if not os.path.exists(root):
+    root = ctx.resolve(path)
+    await ctx.permit([], ctx.on_path("read", root))
+    real = ctx.real(root)
+    if not os.path.exists(real):
         raise ToolError(f"no such file or folder: {root}")
     limit = max(1, min(max_results, 2000))
-    hits = await run_search({"root": root, "pattern": pattern, "ignoreCase": ignore_case,
-                             "glob": glob, "limit": limit + 1})
+    hits = await run_search({"root": real, "pattern": pattern, "ignoreCase": ignore_case,
+                             "glob": glob, "limit": limit + 1,
+                             "roots": [real] + ctx.session.roots()})
     lines = [f"{ctx.display(p)}:{n}: {text}" for p, n, text in hits[:limit]]
     if len(hits) > limit:
         lines.append(f"[more than {limit} matches; narrow the search]")
@@ -2812,12 +3039,14 @@ def search_worker() -> int:
     """--search-worker: one search request on stdin, its hits as JSON on stdout."""
     request = json.load(sys.stdin)
     rx = re.compile(request["pattern"], re.IGNORECASE if request["ignoreCase"] else 0)
-    hits = search_files(request["root"], rx, request["glob"], request["limit"])
+    hits = search_files(request["root"], rx, request["glob"], request["limit"],
+                        request["roots"])
     sys.stdout.write(json.dumps({"hits": hits}))
     return 0
 
 
-def search_files(root: str, rx: re.Pattern, pattern: Optional[str], limit: int) -> list:
+def search_files(root: str, rx: re.Pattern, pattern: Optional[str], limit: int,
+                 roots: list) -> list:
     """(absolute path, line number, line) for up to `limit` matching lines."""
     if os.path.isfile(root):
         paths = [root]
@@ -2826,6 +3055,8 @@ def search_files(root: str, rx: re.Pattern, pattern: Optional[str], limit: int) 
         paths = [os.path.join(root, f) for f in walk_files(root) if not match or match(f)]
     hits = []
     for path in paths:
+        if not searchable(path, roots):
+            continue
         try:
             if os.path.getsize(path) > SEARCH_FILE_BYTES:
                 continue
@@ -2848,27 +3079,61 @@ def search_files(root: str, rx: re.Pattern, pattern: Optional[str], limit: int) 
 
 # -- Shell -------------------------------------------------------------------------------------
 
-SHELL_SYNTAX = re.compile(r"[;&|`$<>(){}\\\n*?~!]")   # anything beyond "word word word"
+SCOPE_WORD = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")        # a plain program name
+SCOPE_LINE = re.compile(r"[A-Za-z0-9_.,:/=+@%^'\" -]*")           # nothing bash reads as syntax
+WRAPPERS = {   # programs that run another program (or code) given in their arguments
+    "env", "xargs", "sudo", "doas", "su", "runuser", "time", "nohup", "nice", "ionice",
+    "timeout", "exec", "command", "builtin", "eval", "source", "watch", "strace", "ltrace",
+    "chroot", "setsid", "stdbuf", "unbuffer", "script", "flock", "parallel", "find", "sed",
+    "awk", "gawk", "mawk", "nawk", "busybox", "fakeroot", "systemd-run", "dbus-run-session",
+    "ssh", "tmux", "screen", "expect", "gdb", "valgrind", "perf", "taskset", "chrt", "unshare",
+    "nsenter", "firejail", "bwrap", "npx", "pnpx", "bunx", "uvx", "pipx", "dotnet"}
+CODE_FLAGS = {  # interpreters, and the flags that hand them code on the command line
+    "bash": ("-c",), "sh": ("-c",), "zsh": ("-c",), "dash": ("-c",), "ksh": ("-c",),
+    "fish": ("-c",), "python": ("-c",), "python2": ("-c",), "python3": ("-c",),
+    "pypy": ("-c",), "pypy3": ("-c",), "node": ("-e", "-p", "--eval", "--print"),
+    "deno": ("eval",), "bun": ("-e", "--eval", "-p", "--print"), "perl": ("-e", "-E"),
+    "ruby": ("-e",), "php": ("-r",), "lua": ("-e",), "Rscript": ("-e",), "osascript": ("-e",),
+    "pwsh": ("-c", "-Command"), "tclsh": (), "git": ("-c", "--config-env"),
+    "make": ("--eval", "-E"), "vim": ("-c", "+"), "nvim": ("-c", "+"), "emacs": ("--eval",)}
 
 
 def shell_scope(command: str) -> tuple:
     """What an "always" answer covers, and its label.
 
-    A simple command ("pytest -q tests") generalises to every simple command with the same
-    first word; anything with shell syntax (;, &&, |, $(), >, globs ...) stays exact, so an
-    approval of `printf a` can never carry `printf b; rm -rf ~` along with it.
+    A plain command ("pytest -q tests") generalises to every plain command with the same
+    first word -- only when bash would split it exactly as qcr does: printable ASCII with
+    nothing bash reads as syntax (;, &&, |, $(), >, globs, tabs, non-ASCII spaces ...), a
+    first word that is a program name (not a path, not an assignment), and neither a
+    wrapper that runs another program (env, xargs, sudo, time ...) nor an interpreter given
+    code (python3 -c, node -e, bash -c). Anything else stays this exact command, so an
+    approval of `printf a` never carries `printf b; rm -rf ~` along with it.
     """
-    words = command.split()
-    if not SHELL_SYNTAX.search(command) and words:
-        return "Shell:" + words[0], f"`{words[0]}` commands"
+    words = command.split(" ")
+    first = words[0] if words else ""
+    flags = CODE_FLAGS.get(first, ())
+    if SCOPE_LINE.fullmatch(command) and SCOPE_WORD.fullmatch(first) and \
+            first not in WRAPPERS and not any(w in flags or any(
+                w.startswith(f) for f in flags if f.startswith("--")) for w in words[1:]):
+        return "Shell:" + first, f"`{first}` commands"
     return "Shell=" + command.strip(), "this exact command"
+
+
+def printable(text: str) -> str:
+    """Text for a title or a terminal question: control, bidi and invisible characters are
+    shown escaped, so a command cannot disguise what it is."""
+    return HIDDEN.sub(lambda m: m.group(0).encode("unicode_escape").decode("ascii"), text)
+
+
+HIDDEN = re.compile("[\x00-\x1f\x7f-\x9f\u00ad\u061c\u115f\u1160\u180e\u200b-\u200f"
+                    "\u2028-\u202e\u2060-\u206f\u3164\ufe00-\ufe0f\ufeff\ufff9-\ufffb]")
 
 
 @tool("Shell", "execute", {
     "command": arg("string", "The shell command line, run with bash -c"),
     "timeout": arg("integer", f"Seconds before it is killed (default {SHELL_TIMEOUT}, "
                               f"at most {SHELL_TIMEOUT_MAX})"),
-}, required=("command",), changes=True,
+}, required=("command",), effects=("execute",),
     title=lambda args, ctx: str(args.get("command") or "Shell").strip()[:300])
 async def shell(ctx: ToolContext, command: str, timeout: int = SHELL_TIMEOUT):
     """Run a shell command in the project root and return its output (stdout and stderr
@@ -2876,14 +3141,15 @@ async def shell(ctx: ToolContext, command: str, timeout: int = SHELL_TIMEOUT):
     if not command.strip():
         raise ToolError("the command is empty")
     key, label = shell_scope(command)
-    await ctx.confirm([text_content(f"$ {command}")], key, label)
+    await ctx.permit([text_content(f"$ {printable(command)}")], ("execute", key, label))
     timeout = max(1, min(timeout, SHELL_TIMEOUT_MAX))
     if ctx.agent.client_can("terminal"):
         return await run_in_terminal(ctx, command, timeout)
 
     def show(output: str) -> None:     # the output so far, in the card, as it comes
         ctx.update(content=[text_content(output[-SHELL_OUTPUT_CHARS // 3:])])
-    output, code, timed_out = await run_command(command, ctx.cwd, timeout, show)
+    output, code, timed_out = await run_command(command, ctx.cwd, timeout, show,
+                                                command_env(ctx.agent.config))
     status = (f"[timed out after {timeout}s; the command was killed]" if timed_out
               else f"[exit code {code}]")
     shown = output[-SHELL_OUTPUT_CHARS // 3:] if output else "(no output)"
@@ -2905,7 +3171,8 @@ async def run_in_terminal(ctx: ToolContext, command: str, timeout: float) -> Too
     try:
         created = await conn.request("terminal/create", dict(
             ids, command=SHELL, args=["-c", command], cwd=ctx.cwd,
-            outputByteLimit=SHELL_OUTPUT_CHARS * 4))
+            outputByteLimit=SHELL_OUTPUT_CHARS * 4,   # qcr's secrets blanked in its env
+            env=[{"name": name, "value": ""} for name in secret_names(ctx.agent.config)]))
     except RpcError as e:
         raise ToolError(f"the editor could not start a terminal: {e.message}") from None
     terminal_id = created.get("terminalId") if isinstance(created, dict) else None
@@ -2948,8 +3215,31 @@ async def run_in_terminal(ctx: ToolContext, command: str, timeout: float) -> Too
                        "terminalId": terminal_id})
 
 
+SECRET_NAME = re.compile(r"(^|_)(API_?KEY|ACCESS_KEY|SECRET_KEY|PRIVATE_KEY|TOKEN|SECRET|"
+                         r"PASSWORD|PASSWD|CREDENTIALS?)($|_)", re.I)
+
+
+def secret_names(config: Config) -> list:
+    """The variables of qcr's environment a command must not see: names like *_API_KEY,
+    *_TOKEN, *_SECRET, *_PASSWORD, and any variable holding one of the configured keys --
+    less those that `passEnv` lets through."""
+    keys = {k for k in (config.api_key, config.anthropic_api_key, config.search_key,
+                        config.brave_key, config.tavily_key) if k}
+    return sorted(name for name, value in os.environ.items()
+                  if (SECRET_NAME.search(name) or value in keys) and name not in config.pass_env)
+
+
+def command_env(config: Config) -> dict:
+    """The environment of a Shell command: qcr's own, without its secrets, no pagers."""
+    hidden = set(secret_names(config))
+    env = {k: v for k, v in os.environ.items() if k not in hidden}
+    env.update(PAGER="cat", GIT_PAGER="cat", GIT_TERMINAL_PROMPT="0")
+    return env
+
+
 async def run_command(command: str, cwd: str, timeout: float,
-                      show: Optional[Callable[[str], None]] = None) -> tuple:
+                      show: Optional[Callable[[str], None]] = None,
+                      env: Optional[dict] = None) -> tuple:
     """Run `bash -c command` in its own process group: (output, exit code, timed out).
 
     `show` gets the output so far, at most every SHOW_EVERY seconds, while it runs.
@@ -2959,7 +3249,6 @@ async def run_command(command: str, cwd: str, timeout: float,
     """
     import signal
     import subprocess
-    env = dict(os.environ, PAGER="cat", GIT_PAGER="cat", GIT_TERMINAL_PROMPT="0")
     proc = await asyncio.create_subprocess_exec(
         SHELL, "-c", command, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
@@ -3065,34 +3354,70 @@ FETCH_REDIRECTS = 5
 
 
 def http_get(url: str, headers: Optional[dict] = None, data: Optional[bytes] = None,
-             limit: int = FETCH_BYTES) -> tuple:
-    """GET (or POST `data`) over http(s) only, redirects bounded and kept on http(s):
-    (final url, content type, body bytes). ToolError with the reason on failure."""
+             secrets: Optional[dict] = None, limit: int = FETCH_BYTES) -> tuple:
+    """One hop of a GET (or a POST of `data`), redirects not followed: (url, content type,
+    body bytes), or (url, None, the redirect's target). ToolError with the reason."""
     import urllib.error
-    import urllib.request
-    from urllib.parse import urlparse
-    if urlparse(url).scheme not in ("http", "https"):
-        raise ToolError(f"only http and https URLs can be fetched, not {url!r}")
-
-    class Redirects(urllib.request.HTTPRedirectHandler):
-        max_redirections = FETCH_REDIRECTS
-
-        def redirect_request(self, request, fp, code, message, headers, new_url):
-            if urlparse(new_url).scheme not in ("http", "https"):
-                raise ToolError(f"{url} redirected to {new_url}, which is not http(s)")
-            return super().redirect_request(request, fp, code, message, headers, new_url)
-    opener = urllib.request.build_opener(Redirects)
-    request = urllib.request.Request(url, data=data, headers={
-        "User-Agent": f"Mozilla/5.0 (compatible; qcr/{__version__})", **(headers or {})})
+    from urllib.parse import urljoin
     try:
-        with opener.open(request, timeout=FETCH_TIMEOUT) as response:
-            return (response.geturl(), response.headers.get("Content-Type", ""),
-                    response.read(limit))
+        with open_url(url, data, {"User-Agent": f"Mozilla/5.0 (compatible; qcr/{__version__})",
+                                  **(headers or {})}, secrets, FETCH_TIMEOUT, 0) as response:
+            return url, response.headers.get("Content-Type", ""), response.read(limit)
     except urllib.error.HTTPError as e:
+        location = e.headers.get("Location") if e.headers else None
+        if e.code in (301, 302, 303, 307, 308) and location:
+            return url, None, urljoin(url, location)
         raise ToolError(f"{url} answered HTTP {e.code} {e.reason}") from None
-    except (urllib.error.URLError, OSError) as e:
+    except (urllib.error.URLError, OSError, ValueError) as e:
         reason = getattr(e, "reason", e)
         raise ToolError(f"cannot fetch {url}: {reason} (is this machine offline?)") from None
+
+
+async def fetch(ctx: ToolContext, url: str, headers: Optional[dict] = None,
+                data: Optional[bytes] = None, secrets: Optional[dict] = None) -> tuple:
+    """http_get through the permission policy: the first host, and each host a redirect
+    leads to, is cleared before qcr connects to it; secrets stay with the first origin."""
+    first = origin_of(url)
+    for _ in range(FETCH_REDIRECTS + 1):
+        need = await host_need(url)
+        await ctx.permit([text_content(f"{ctx.tool.name}: {printable(url)}")], need)
+        final, kind, body = await asyncio.to_thread(
+            http_get, url, headers, data, secrets if origin_of(url) == first else None)
+        if kind is not None:
+            return final, kind, body
+        if not body.startswith(("http://", "https://")):
+            raise ToolError(f"{url} redirected to {body}, which is not http(s)")
+        url, data = body, None        # a redirect: GET the new URL, after the policy
+    raise ToolError(f"{url}: more than {FETCH_REDIRECTS} redirects")
+
+
+async def host_need(url: str) -> tuple:
+    """The policy's need for a request to the URL's host: a host that is this machine or
+    a private network (loopback, LAN, link-local, by name or by address) is its own row."""
+    from urllib.parse import urlparse
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ToolError(f"only http and https URLs can be fetched, not {url!r}")
+    scheme, host, port = origin_of(url)
+    where = host if port == {"http": 80, "https": 443}[scheme] else f"{host}:{port}"
+    private = await asyncio.to_thread(private_host, host)
+    return ("network private" if private else "network", f"Host:{where}",
+            f"requests to {where}")
+
+
+def private_host(host: str) -> bool:
+    """Does the name or address lead to this machine or a private network?"""
+    import ipaddress
+    import socket
+    try:
+        addresses = [ipaddress.ip_address(host.strip("[]"))]
+    except ValueError:
+        try:
+            addresses = [ipaddress.ip_address(info[4][0].split("%")[0])
+                         for info in socket.getaddrinfo(host, None)]
+        except (OSError, ValueError, UnicodeError):
+            return host == "localhost" or host.endswith((".localhost", ".local"))
+    return any(not a.is_global or a.is_multicast for a in addresses)
 
 
 def html_to_text(html: str, base: str) -> str:
@@ -3152,13 +3477,17 @@ def html_to_text(html: str, base: str) -> str:
 
 @tool("WebFetch", "fetch", {
     "url": arg("string", "The http(s) URL"),
-}, required=("url",), title=lambda args, ctx: f"Fetch {args.get('url')}", web=True)
+}, required=("url",), effects=("network",), title=lambda args, ctx: f"Fetch {args.get('url')}",
+    web=True)
 async def web_fetch(ctx: ToolContext, url: str):
     """Fetch a web page and read it as text (links kept as [text](url)). For documentation,
     issues, release notes -- anything on the web."""
-    final, kind, data = await asyncio.to_thread(http_get, url.strip())
+    final, kind, data = await fetch(ctx, url.strip())
     charset = re.search(r"charset=([\w-]+)", kind)
-    text = data.decode(charset.group(1) if charset else "utf-8", "replace")
+    try:
+        text = data.decode(charset.group(1) if charset else "utf-8", "replace")
+    except LookupError:       # a charset Python does not know
+        text = data.decode("utf-8", "replace")
     if "html" in kind or text.lstrip()[:15].lower().startswith(("<!doctype", "<html")):
         text = html_to_text(text, final)
     elif not kind.startswith("text/") and "json" not in kind and "xml" not in kind and \
@@ -3173,50 +3502,56 @@ async def web_fetch(ctx: ToolContext, url: str):
 @tool("WebSearch", "search", {
     "query": arg("string", "What to search for"),
     "max_results": arg("integer", "How many results (default 5, at most 20)"),
-}, required=("query",), title=lambda args, ctx: f"Search the web for {args.get('query')}",
-    web=True)
+}, required=("query",), effects=("network",),
+    title=lambda args, ctx: f"Search the web for {args.get('query')}", web=True)
 async def web_search(ctx: ToolContext, query: str, max_results: int = 5):
     """Search the web. Results come as title, URL and snippet; read a result with WebFetch."""
     count = max(1, min(max_results, 20))
-    results = await asyncio.to_thread(search_web, ctx.agent.config, query, count)
+    url, headers, data, secrets, parse = search_request(ctx.agent.config, query, count)
+    _, _, body = await fetch(ctx, url, headers, data, secrets)
+    try:
+        results = parse(body)[:count]
+    except (ValueError, AttributeError, TypeError):
+        raise ToolError(f"the search backend's answer could not be read ({url})") from None
     if not results:
         return ToolResult(f"No results for {query!r}.", raw={"query": query, "results": []})
     lines = [f"{i}. {r['title']}\n   {r['url']}\n   {r['snippet']}"
-             for i, r in enumerate(results[:count], 1)]
+             for i, r in enumerate(results, 1)]
     return ToolResult("\n".join(lines), [text_content("\n".join(lines))],
-                      {"query": query, "results": results[:count]})
+                      {"query": query, "results": results})
 
 
-def search_web(config: Config, query: str, count: int) -> list:
-    """[{title, url, snippet}] from the configured backend."""
+def search_request(config: Config, query: str, count: int) -> tuple:
+    """The configured backend's request -- (url, headers, data, secrets, parse) -- where
+    parse turns its answer into [{title, url, snippet}]."""
     from urllib.parse import quote_plus
     backend, key = config.search_backend, config.search_key
     if not backend:
         backend = "brave" if config.brave_key else "tavily" if config.tavily_key else \
             "searxng" if config.searxng_url else "duckduckgo"
+
+    def results(items: Any, snippet: str) -> list:
+        return [{"title": i.get("title", ""), "url": i.get("url", ""),
+                 "snippet": i.get(snippet, "")} for i in items or [] if isinstance(i, dict)]
     if backend == "searxng":
         base = config.search_url or config.searxng_url.rstrip("/") + "/search"
-        _, _, data = http_get(f"{base}?q={quote_plus(query)}&format=json")
-        items = (loads(data).get("results") or [])
-        return [{"title": i.get("title", ""), "url": i.get("url", ""),
-                 "snippet": i.get("content", "")} for i in items[:count]]
+        return (f"{base}?q={quote_plus(query)}&format=json", {}, None, None,
+                lambda body: results(loads(body).get("results"), "content"))
     if backend == "brave":
         base = config.search_url or "https://api.search.brave.com/res/v1/web/search"
-        _, _, data = http_get(f"{base}?q={quote_plus(query)}&count={count}", headers={
-            "X-Subscription-Token": key or config.brave_key, "Accept": "application/json"})
-        items = ((loads(data).get("web") or {}).get("results") or [])
-        return [{"title": i.get("title", ""), "url": i.get("url", ""),
-                 "snippet": i.get("description", "")} for i in items[:count]]
+        return (f"{base}?q={quote_plus(query)}&count={count}", {"Accept": "application/json"},
+                None, {"X-Subscription-Token": key or config.brave_key},
+                lambda body: results((loads(body).get("web") or {}).get("results"),
+                                     "description"))
     if backend == "tavily":
         base = config.search_url or "https://api.tavily.com/search"
-        _, _, data = http_get(base, headers={"Content-Type": "application/json"},
-                              data=json.dumps({"api_key": key or config.tavily_key,
-                                               "query": query, "max_results": count}).encode())
-        return [{"title": i.get("title", ""), "url": i.get("url", ""),
-                 "snippet": i.get("content", "")} for i in (loads(data).get("results") or [])]
+        data = json.dumps({"api_key": key or config.tavily_key, "query": query,
+                           "max_results": count}).encode()
+        return (base, {"Content-Type": "application/json"}, data, None,
+                lambda body: results(loads(body).get("results"), "content"))
     base = config.search_url or "https://html.duckduckgo.com/html/"
-    _, _, data = http_get(f"{base}?q={quote_plus(query)}")
-    return duckduckgo_results(data.decode("utf-8", "replace"))[:count]
+    return (f"{base}?q={quote_plus(query)}", {}, None, None,
+            lambda body: duckduckgo_results(body.decode("utf-8", "replace")))
 
 
 def duckduckgo_results(html: str) -> list:
@@ -3288,12 +3623,14 @@ async def elicit(ctx: ToolContext, question: str, choices: list) -> Optional[str
 
 @tool("ExitPlanMode", "switch_mode", {
     "plan": arg("string", "The finished plan, in Markdown"),
-}, required=("plan",), title=lambda args, ctx: "Ready to make changes?", modes=("plan",))
+}, required=("plan",), effects=("mode",), title=lambda args, ctx: "Ready to make changes?",
+    modes=("plan",))
 async def exit_plan_mode(ctx: ToolContext, plan: str):
     """In plan mode, once the plan is ready: show it to the user, who chooses whether to
     start making changes (and how) or to keep planning."""
     if ctx.session.mode != "plan":
         raise ToolError("the session is not in plan mode")
+    ctx.check([("mode", None, "a change of mode")])     # the card below is the asking
     shown = [text_content(plan)]
     choice = await ctx.choose(shown, [
         ("auto-edit", "Start in auto-edit", "allow_always"),
@@ -3370,7 +3707,8 @@ def describe_job(job: dict) -> str:
                               'interval ("every 10m", "30s", "2h", "1d")'),
     "prompt": arg("string", "The prompt to run then, as if the user had sent it"),
     "recurring": arg("boolean", "Run again and again (default true); false runs it once"),
-}, required=("schedule", "prompt"), title=lambda args, ctx: f"Schedule: {args.get('schedule')}")
+}, required=("schedule", "prompt"), effects=("schedule",),
+    title=lambda args, ctx: f"Schedule: {args.get('schedule')}")
 async def cron_create(ctx: ToolContext, schedule: str, prompt: str, recurring: bool = True):
     """Schedule a prompt for later in this session: once, or on a repeating schedule."""
     try:
@@ -3379,9 +3717,13 @@ async def cron_create(ctx: ToolContext, schedule: str, prompt: str, recurring: b
         raise ToolError(f"invalid schedule {schedule!r}: {e}") from None
     if not prompt.strip():
         raise ToolError("the prompt is empty")
+    await ctx.permit([text_content(f"Run this prompt {schedule.strip()} "
+                                   f"({'recurring' if recurring else 'once'}):\n{prompt}")],
+                     ("schedule", "schedule", "scheduling prompts"))
     job = {"id": "job-" + os.urandom(3).hex(), "schedule": schedule.strip(),
            "prompt": prompt, "recurring": recurring, "next": upcoming}
     ctx.session.jobs.append(job)
+    ctx.session.armed = True        # the user is here: this process may run the jobs
     ctx.agent.schedule()
     return ToolResult(f"Scheduled {describe_job(job)}", raw={"job": job})
 
@@ -3396,13 +3738,15 @@ async def cron_list(ctx: ToolContext):
 
 @tool("CronDelete", "other", {
     "id": arg("string", "The job's id, from CronCreate or CronList"),
-}, required=("id",), title=lambda args, ctx: f"Unschedule {args.get('id')}")
+}, required=("id",), effects=("schedule",), title=lambda args, ctx: f"Unschedule {args.get('id')}")
 async def cron_delete(ctx: ToolContext, id: str):
     """Remove a scheduled prompt."""
     jobs = ctx.session.jobs
     if not any(j["id"] == id for j in jobs):
         raise ToolError(f"no job {id!r}; the jobs are: "
                         f"{', '.join(j['id'] for j in jobs) or 'none'}")
+    await ctx.permit([text_content(f"Remove the scheduled prompt {id}")],
+                     ("schedule", "schedule", "scheduling prompts"))
     ctx.session.jobs[:] = [j for j in jobs if j["id"] != id]
     return ToolResult(f"Removed {id}.", raw={"removed": id})
 
@@ -3548,9 +3892,13 @@ JOB_TICK = 0.5                 # seconds between looks at the scheduled jobs
 
 async def run_job(agent: Agent, session: Session, prompt: str) -> str:
     """A scheduled prompt's turn (session.origin set): the prompt shown as the user's,
-    every update marked."""
+    every update marked. The model wrote that prompt, so it is never a slash command: it
+    goes to the model as text, and the policy refuses its turn any change of mode or
+    schedule."""
     try:
-        return await run_prompt(agent, session, prompt)
+        if session.mcp_ready is not None and not session.mcp_ready.done():
+            await asyncio.wait([session.mcp_ready], timeout=agent.config.mcp_start_timeout)
+        return await run_turn(agent, session, prompt)
     finally:
         session.origin = None
         agent.save(session)
@@ -3690,13 +4038,15 @@ async def run_tool_call(agent: Agent, session: Session, call: dict) -> dict:
     except ValueError as e:
         args, bad_json = None, e
     fields = args if isinstance(args, dict) else {}
-    title = tool_.title(fields, session) if tool_ else call["name"] or "Unknown tool"
+    title = printable(str(tool_.title(fields, session) if tool_ else call["name"] or
+                          "Unknown tool"))
     locations = [{"path": absolute(session.cwd, p)}
                  for p in (fields.get(k) for k in ("path", "source", "destination"))
-                 if isinstance(p, str) and p.strip()]
-    agent.update(session, tool_call(call_id, str(title), tool_.kind if tool_ else "other",
-                                    locations, args if args is not None else call["arguments"]))
-    ctx = ToolContext(agent, session, call_id, tool_, str(title))
+                 if isinstance(p, str) and p.strip() and "\0" not in p]
+    card = tool_call(call_id, title, tool_.kind if tool_ else "other", locations,
+                     args if args is not None else call["arguments"])
+    agent.update(session, card)
+    ctx = ToolContext(agent, session, call_id, tool_, card)
     try:
         if tool_ is None or (tool_.web and not agent.config.web):
             names = [t["function"]["name"] for t in tool_specs(
@@ -3707,9 +4057,7 @@ async def run_tool_call(agent: Agent, session: Session, call: dict) -> dict:
             raise ToolError(f"the arguments were not valid JSON ({bad_json}); send a JSON "
                             "object.")
         kwargs = check_args(tool_, args)
-        if tool_.changes and session.mode == "plan":
-            raise ToolError(PLAN_REFUSAL)
-        if not tool_.changes:
+        if not tool_.effects:        # nothing for the policy to decide: it runs now
             ctx.start()
         result = await tool_.run(ctx, **kwargs)
     except ToolError as e:
@@ -4215,18 +4563,15 @@ class HttpTransport:
     def post(self, message: dict) -> Any:
         """One POST (in a thread): the response to `message`, or None for a notification."""
         import urllib.error
-        import urllib.request
         headers = {"Content-Type": "application/json",
-                   "Accept": "application/json, text/event-stream",
-                   **(self.spec.get("headers") or {})}
+                   "Accept": "application/json, text/event-stream"}
         if self.session_id:
             headers["Mcp-Session-Id"] = self.session_id
         if self.version:
             headers["MCP-Protocol-Version"] = self.version
-        request = urllib.request.Request(self.spec["url"], json.dumps(message).encode(),
-                                         headers, method="POST")
         try:
-            with urllib.request.urlopen(request, timeout=MCP_HTTP_TIMEOUT) as response:
+            with open_url(self.spec["url"], json.dumps(message).encode(), headers,
+                          self.spec.get("headers"), MCP_HTTP_TIMEOUT, method="POST") as response:
                 self.session_id = response.headers.get("Mcp-Session-Id") or self.session_id
                 if "id" not in message or response.status == 202:
                     return None
@@ -4277,7 +4622,6 @@ class SseTransport:
         self.on_notification: Callable = lambda method, params: None
 
     async def open(self, on_notification: Callable) -> None:
-        import urllib.request
         from urllib.parse import urljoin
         self.on_notification = on_notification
         loop = asyncio.get_running_loop()
@@ -4285,9 +4629,8 @@ class SseTransport:
 
         def read() -> None:
             try:
-                request = urllib.request.Request(self.spec["url"], headers={
-                    "Accept": "text/event-stream", **(self.spec.get("headers") or {})})
-                self.stream = urllib.request.urlopen(request)    # idle is fine: no timeout
+                self.stream = open_url(self.spec["url"], None, {"Accept": "text/event-stream"},
+                                       self.spec.get("headers"), None)   # idle is fine
                 event = ""
                 data: list = []
                 for raw in self.stream:
@@ -4336,11 +4679,10 @@ class SseTransport:
         self.pending.clear()
 
     def send(self, message: dict) -> None:
-        import urllib.request
-        request = urllib.request.Request(self.endpoint, json.dumps(message).encode(), {
-            "Content-Type": "application/json", **(self.spec.get("headers") or {})},
-            method="POST")
-        with urllib.request.urlopen(request, timeout=MCP_HTTP_TIMEOUT):
+        with open_url(self.endpoint, json.dumps(message).encode(),
+                      {"Content-Type": "application/json"}, self.spec.get("headers")
+                      if origin_of(self.endpoint) == origin_of(self.spec["url"]) else None,
+                      MCP_HTTP_TIMEOUT, method="POST"):
             pass
 
     async def request(self, method: str, params: dict) -> Any:
@@ -4390,8 +4732,9 @@ class McpServer:
     """One MCP server of a session: started at most once at a time, restarted on the next
     use after a crash or a timeout; its tools listed (all pages) and kept up to date."""
 
-    def __init__(self, name: str, spec: dict, config: Config):
+    def __init__(self, name: str, spec: dict, config: Config, trusted: bool = True):
         self.name, self.spec, self.config = name, spec, config
+        self.trusted = trusted       # configured by the user, not by a repository
         self.transport: Any = None
         self.tools: list = []
         self.error = ""
@@ -4509,9 +4852,11 @@ def safe_name(name: str) -> str:
 
 
 def mcp_tool(server: McpServer, spec: dict) -> Tool:
-    """An MCP tool as one of qcr's: read-only ones (by their annotations) need no approval."""
+    """An MCP tool as one of qcr's. Its effects are unknown, so the policy takes it as
+    execute -- unless it says it is read-only and its server is one the user configured
+    (a project's server saying so is not believed)."""
     annotations = spec.get("annotations") if isinstance(spec.get("annotations"), dict) else {}
-    read_only = annotations.get("readOnlyHint") is True
+    read_only = annotations.get("readOnlyHint") is True and server.trusted
     title = annotations.get("title") or spec.get("title") or spec["name"]
     schema = spec.get("inputSchema") if isinstance(spec.get("inputSchema"), dict) else {}
     parameters = {"type": "object", "properties": schema.get("properties") or {},
@@ -4520,9 +4865,9 @@ def mcp_tool(server: McpServer, spec: dict) -> Tool:
     async def run(ctx: ToolContext, **arguments) -> ToolResult:
         if not read_only:
             shown = json.dumps(arguments, indent=1)[:2000]
-            await ctx.confirm([text_content(f"{server.name}: {spec['name']}\n{shown}")],
-                              f"mcp:{server.name}:{spec['name']}",
-                              f"`{spec['name']}` from {server.name}")
+            await ctx.permit([text_content(f"{server.name}: {spec['name']}\n{shown}")],
+                             ("execute", f"mcp:{server.name}:{spec['name']}",
+                              f"`{spec['name']}` from {server.name}"))
         try:
             result = await server.call(spec["name"], arguments)
         except RpcError as e:
@@ -4531,8 +4876,8 @@ def mcp_tool(server: McpServer, spec: dict) -> Tool:
             raise ToolError(str(e)) from None
         return mcp_result(result)
     return Tool(f"mcp__{server.name}__{spec['name']}", "read" if read_only else "other", run,
-                str(spec.get("description") or title), parameters, not read_only,
-                lambda args, ctx: f"{title} ({server.name})")
+                str(spec.get("description") or title), parameters,
+                () if read_only else ("execute",), lambda args, ctx: f"{title} ({server.name})")
 
 
 def mcp_result(result: dict) -> ToolResult:
@@ -4589,7 +4934,8 @@ def plugins(config: Config, cwd: str) -> list:
 
 def session_mcp_specs(config: Config, cwd: str, from_client: list) -> list:
     """(name, spec, needs approval) for every server a session gets: the editor's, then
-    ~/.qcr/mcp.json's, then plugins' (a project plugin's need the user's approval)."""
+    ~/.qcr/mcp.json's, then plugins' (a project plugin's, of every transport, need the
+    user's approval)."""
     user_file = read_config_file(Config(), os.path.join(config.home, "mcp.json"), False)
     found = [(n, s, False) for n, s in mcp_specs(from_client).items()]
     found += [(n, s, False) for n, s in mcp_specs(user_file.get("mcpServers")).items()]
@@ -4597,7 +4943,7 @@ def session_mcp_specs(config: Config, cwd: str, from_client: list) -> list:
         for name, spec in mcp_specs(data.get("mcpServers")).items():
             if spec["type"] == "stdio":
                 spec["cwd"] = folder
-            found.append((name, spec, project and spec["type"] == "stdio"))
+            found.append((name, spec, project))
     seen, unique = set(), []
     for name, spec, approval in found:
         if name not in seen:
@@ -4647,6 +4993,7 @@ class Config:
     compact_at: float = 0.8                      # share of the window that triggers compaction
     server_windows: dict = field(default_factory=dict)   # model -> window the server reported
     home: str = ""                               # ~/.qcr
+    pass_env: list = field(default_factory=list)  # secret-looking variables commands may see
     problems: list = field(default_factory=list) # mistakes in the configuration, for the user
 
 
@@ -4661,6 +5008,7 @@ CONFIG_KEYS = {    # config.json key -> (Config attribute, type)
     "images": ("images", bool), "retryBudget": ("retry_budget", float),
     "sendReasoning": ("send_reasoning", bool), "thinkingBudget": ("thinking_budget", int),
     "localServers": ("local_servers", list), "toolProtocol": ("tool_protocol", str),
+    "passEnv": ("pass_env", list),
     "mcpStartTimeout": ("mcp_start_timeout", float),
     "mcpCallTimeout": ("mcp_call_timeout", float),
     "web": ("web", bool), "searchBackend": ("search_backend", str),
@@ -4769,11 +5117,9 @@ def apply_config(config: Config, data: dict, source: str) -> None:
 
 def server_json(url: str, api_key: str, timeout: float) -> Any:
     """GET a model server's JSON (its /models, llama.cpp's /props); None if it fails."""
-    import urllib.request
-    headers = {"Authorization": "Bearer " + api_key} if api_key else {}
+    secrets = {"Authorization": "Bearer " + api_key} if api_key else {}
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
-                                    timeout=timeout) as response:
+        with open_url(url, secrets=secrets, timeout=timeout) as response:
             return loads(response.read(1 << 20))
     except Exception:
         return None
@@ -4984,7 +5330,7 @@ class Client:
     async def ask(self, params: dict, options: list) -> Optional[str]:
         allow = [o["optionId"] for o in options if o.get("kind") == "allow_once"]
         reject = [o["optionId"] for o in options if o.get("kind") == "reject_once"]
-        title = (params.get("toolCall") or {}).get("title", "a tool call")
+        title = printable(str((params.get("toolCall") or {}).get("title", "a tool call")))
         if self.yes and allow:
             return allow[0]
         if not sys.stdin.isatty():

@@ -1893,9 +1893,10 @@ class TestWebTools(AcpTestCase):
         self.assertEqual(result, f"{site}/notes\n\n# Release notes\n\n# Version 2\n\n"
                                  f"Faster and safer.\n\n- See [the guide]({site}/docs/start)")
         self.assertEqual(updates[0]["kind"], "fetch")
-        for url, expected in ((site + "/sneaky", "is not allowed"),
+        for url, expected in ((site + "/sneaky", "which is not http(s)"),
                               (site + "/ftp", "which is not http(s)"),
-                              (site + "/loop", "HTTP 302"), (site + "/blob", "is not text"),
+                              (site + "/loop", "more than 5 redirects"),
+                              (site + "/blob", "is not text"),
                               ("file:///etc/passwd", "only http and https"),
                               ("http://127.0.0.1:9/", "is this machine offline?")):
             with self.subTest(url=url):
