@@ -5031,7 +5031,7 @@ ENV_KEYS = [       # environment variable -> config.json key; later ones win
     ("QCR_SEARCH_URL", "searchUrl"), ("QCR_SEARCH_KEY", "searchKey"),
     ("BRAVE_API_KEY", "braveApiKey"),
     ("TAVILY_API_KEY", "tavilyApiKey"), ("QCR_MCP_START_TIMEOUT", "mcpStartTimeout"),
-    ("QCR_MCP_CALL_TIMEOUT", "mcpCallTimeout"),
+    ("QCR_MCP_CALL_TIMEOUT", "mcpCallTimeout"), ("QCR_PASS_ENV", "passEnv"),
 ]
 LOCAL_SERVERS = ("http://127.0.0.1:11434/v1",   # Ollama
                  "http://127.0.0.1:8080/v1",    # llama.cpp's llama-server

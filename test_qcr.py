@@ -2114,6 +2114,311 @@ class TestPermissionsAndModes(AcpTestCase):
         self.assertIn("The permission request was cancelled or failed", self.tool_messages(1)[0])
 
 
+# The policy as the README states it: (call, what it does) -> verdict per mode. Written out
+# here, not read from qcr, so a change to qcr's table that breaks a promise fails a test.
+POLICY_ROWS = {    #                 default  plan      auto-edit  yolo
+    "read":                         ("allow", "allow",  "allow",   "allow"),
+    "read outside":                 ("ask",   "refuse", "ask",     "allow"),
+    "write":                        ("ask",   "refuse", "allow",   "allow"),
+    "write outside":                ("ask",   "refuse", "ask",     "allow"),
+    "delete":                       ("ask",   "refuse", "allow",   "allow"),
+    "delete outside":               ("ask",   "refuse", "ask",     "allow"),
+    "execute":                      ("ask",   "refuse", "ask",     "allow"),
+    "write inside .git":            ("ask",   "refuse", "ask",     "allow"),
+    "schedule":                     ("ask",   "refuse", "ask",     "allow"),
+    "network private":              ("ask",   "ask",    "ask",     "ask"),
+}
+
+
+class TestHostileModel(AcpTestCase):
+    """A model (and a repository) trying every route around the modes. Each action either
+    does not happen or happens only after a permission request; canaries outside the
+    project show what escaped."""
+
+    def setUp(self):
+        super().setUp()
+        self.outside = os.path.join(self.tmp, "outside")
+        os.makedirs(self.outside)
+
+    def outside_file(self, name, text="outside\n"):
+        path = os.path.join(self.outside, name)
+        with open(path, "w") as f:
+            f.write(text)
+        return path
+
+    def test_the_policy_table_row_by_row(self):
+        """Every row of the README's table, in every mode, over real pipes."""
+        self.fake_model()
+        self.model.routes["/page"] = (200, {"Content-Type": "text/plain"}, b"a page")
+        page = self.model.url.rsplit("/", 1)[0] + "/page"
+        rows = [("read", ("ReadFile", {"path": "a.txt"})),
+                ("read outside", ("ReadFile", {"path": "../outside/secret.txt"})),
+                ("write", ("WriteFile", {"path": "new.txt", "content": "x"})),
+                ("write outside", ("WriteFile", {"path": "../outside/new.txt",
+                                                 "content": "x"})),
+                ("delete", ("DeleteFile", {"path": "del.txt"})),
+                ("delete outside", ("DeleteFile", {"path": "../outside/del.txt"})),
+                ("execute", ("Shell", {"command": "touch ran-it"})),
+                ("write inside .git", ("WriteFile", {"path": ".git/hooks/pre-commit",
+                                                     "content": "#!/bin/sh\n"})),
+                ("schedule", ("CronCreate", {"schedule": "every 1h", "prompt": "hello"})),
+                ("network private", ("WebFetch", {"url": page}))]
+        effect_seen = {   # did the call's effect happen? (read and network: it completed)
+            "write": lambda: os.path.exists(os.path.join(self.project, "new.txt")),
+            "write outside": lambda: os.path.exists(os.path.join(self.outside, "new.txt")),
+            "delete": lambda: not os.path.exists(os.path.join(self.project, "del.txt")),
+            "delete outside": lambda: not os.path.exists(os.path.join(self.outside, "del.txt")),
+            "execute": lambda: os.path.exists(os.path.join(self.project, "ran-it")),
+            "write inside .git": lambda: os.path.exists(
+                os.path.join(self.project, ".git", "hooks", "pre-commit"))}
+        for column, mode in enumerate(("default", "plan", "auto-edit", "yolo")):
+            with self.subTest(mode=mode):
+                for name in ("new.txt", "ran-it", ".git/hooks/pre-commit"):
+                    if os.path.exists(os.path.join(self.project, name)):
+                        os.remove(os.path.join(self.project, name))
+                self.write("a.txt", "inside\n")
+                self.write("del.txt", "x\n")
+                self.write(".git/hooks/.keep", "")
+                self.outside_file("secret.txt")
+                self.outside_file("del.txt")
+                if os.path.exists(os.path.join(self.outside, "new.txt")):
+                    os.remove(os.path.join(self.outside, "new.txt"))
+                self.model.respond = Script(*[calls(c) for _, c in rows],
+                                            scripted_reply("done"))
+                agent = self.start()
+                session_id = self.new_session(agent)
+                agent.call("session/set_mode", {"sessionId": session_id, "modeId": mode})
+                _, updates, requests = self.prompt(agent, session_id, "go", timeout=30)
+                ids = [u["toolCallId"] for u in updates if u["sessionUpdate"] == "tool_call"]
+                asked = {r["params"]["toolCall"]["toolCallId"] for r in requests}
+                status = final_status(updates)
+                for (row, _), call_id in zip(rows, ids):
+                    expected = POLICY_ROWS[row][column]
+                    done = effect_seen[row]() if row in effect_seen else \
+                        status[call_id] == "completed"
+                    got = "refuse" if not done and call_id not in asked else \
+                        "ask" if call_id in asked else "allow"
+                    self.assertEqual((row, got), (row, expected))
+                    self.assertEqual(done, expected != "refuse", row)
+                agent.close()
+
+    def test_a_scheduled_turn_is_never_the_user(self):
+        """A job's prompt is the model's text: never a slash command, and its turn cannot
+        change the mode or schedule more."""
+        def model(body):
+            said = [m["content"] for m in body["messages"] if m["role"] == "user"]
+            last = body["messages"][-1]
+            if said[-1] == "/mode yolo" and last["role"] == "user":
+                return calls(("CronCreate", {"schedule": "every 1s", "prompt": "again"}))
+            if said[-1] == "/mode yolo":
+                return scripted_reply("cron done")
+            if last["role"] == "user":
+                return calls(("CronCreate", {"schedule": "every 1s", "prompt": "/mode yolo",
+                                             "recurring": False}))
+            return scripted_reply("scheduled")
+        self.model = qcr.FakeModel(model)
+        agent = self.start()
+        session_id = self.new_session(agent)
+        _, updates, requests = self.prompt(agent, session_id, "schedule a mode change")
+        self.assertEqual(len(requests), 1)            # scheduling asks, in default mode
+        self.assertIn("scheduling prompts", json.dumps(requests[0]["params"]["options"]))
+        frames, deadline = [], time.monotonic() + 10
+        while "cron done" not in text_of(frames):
+            frame = agent.recv(max(0.1, deadline - time.monotonic()))
+            self.assertNotIn("id", frame, "a scheduled turn asked for permission")
+            frames.append(frame["params"]["update"])
+        self.assertNotIn("current_mode_update", kinds(frames))
+        self.assertIn("/mode yolo", [m["content"] for m in self.model.requests[-2]["messages"]
+                                     if m["role"] == "user"])
+        tool_results = [m["content"] for m in self.model.requests[-1]["messages"]
+                        if m["role"] == "tool"]
+        self.assertIn("scheduled turns may not schedule prompts", tool_results[-1])
+        response, _, _ = agent.call("session/set_mode", {"sessionId": session_id,
+                                                         "modeId": "default"})
+        listed = agent.call("session/list", {})[0]["result"]["sessions"]
+        self.assertEqual(len(listed), 1)
+        agent.close()
+        self.assertEqual(read_session_file(os.path.join(
+            self.home, ".qcr", "sessions", session_id + ".json"))["mode"], "default")
+
+    def test_a_reopened_session_runs_no_job_until_the_user_acts(self):
+        self.fake_model(calls(("CronCreate", {"schedule": "every 2s", "prompt": "tick",
+                                              "recurring": False})),
+                        scripted_reply("scheduled"), scripted_reply("answered"))
+        agent = self.start()
+        session_id = self.new_session(agent)
+        self.prompt(agent, session_id, "schedule it")
+        agent.close()                                 # before it is due
+        time.sleep(2.2)
+        agent = self.start()
+        agent.call("initialize", {"protocolVersion": 1})
+        agent.call("session/load", {"sessionId": session_id, "cwd": self.project,
+                                    "mcpServers": []})
+        time.sleep(1.5)                               # due, but nobody has acted here yet
+        self.assertFalse([f for f in list(agent.frames.queue) if f and f.get(
+            "params", {}).get("update", {}).get("_meta", {}).get("source") == "cron"])
+        requests_before = len(self.model.requests)
+        self.prompt(agent, session_id, "hello")
+        deadline = time.monotonic() + 10
+        while not any(f and f.get("params", {}).get("update", {}).get("_meta") for f in
+                      [agent.recv(max(0.1, deadline - time.monotonic()))]):
+            pass
+        self.assertGreater(len(self.model.requests), requests_before)
+
+    def test_repository_git_configuration_runs_nothing(self):
+        """core.fsmonitor (and its kin) in .git/config would run a program on every file
+        listing; Glob and Grep list through git all the same, and nothing runs."""
+        canary = os.path.join(self.outside, "CANARY")
+        subprocess.run(["git", "init", "-q", self.project], check=True)
+        for key, value in (("core.fsmonitor", f"touch {canary}; false"),
+                           ("core.pager", f"touch {canary}"),
+                           ("diff.external", f"touch {canary}")):
+            subprocess.run(["git", "-C", self.project, "config", key, value], check=True)
+        self.write("src/app.py", "needle = 1\n")
+        self.write("src/hidden.py", "needle = 2\n")
+        with open(os.path.join(self.project, ".git", "info", "exclude"), "a") as f:
+            f.write("hidden.py\n")          # only git itself knows this rule
+        self.fake_model(calls(("Glob", {"pattern": "*.py"})),
+                        calls(("Grep", {"pattern": "needle"})), scripted_reply("ok"))
+        agent = self.start()
+        self.prompt(agent, self.new_session(agent), "look")
+        self.assertFalse(os.path.exists(canary), "the repository ran a program")
+        self.assertEqual(self.tool_messages(1), ["src/app.py"])
+        self.assertEqual(self.tool_messages(2)[-1], "src/app.py:1: needle = 1")
+
+    def test_command_scopes_cover_only_what_bash_would_split_alike(self):
+        exact = "this exact command"
+        for command, label in (
+                ("pytest -q tests", "`pytest` commands"),
+                ("make test", "`make` commands"),
+                ("git status --short", "`git` commands"),
+                ("python3 setup.py test", "`python3` commands"),
+                ("ls\u00a0-la", exact), ("ls\u2003x", exact), ("ls\tx", exact),
+                ("ls x\x1b[2K", exact), ("ls é", exact), ("echo a; rm -rf ~", exact),
+                ("./run.sh", exact), ("/usr/bin/env ls", exact), ("FOO=1 make", exact),
+                ("env touch x", exact), ("xargs rm", exact), ("sudo ls", exact),
+                ("time make", exact), ("nohup make", exact), ("python3 -c print", exact),
+                ("node -e x", exact), ("bash -c x", exact), ("node --eval=x", exact),
+                ("git -c core.pager=x log", exact), ("npx cowsay", exact),
+                ("find . -exec rm {} +", exact), ("sed -e x f", exact)):
+            with self.subTest(command=command):
+                self.assertEqual(qcr.shell_scope(command)[1], label)
+        self.assertEqual(qcr.printable("echo hi\rrm -rf /\u202e"),
+                         "echo hi\\rrm -rf /\\u202e")
+
+    def test_an_approved_wrapper_does_not_carry_other_programs(self):
+        self.fake_model(calls(("Shell", {"command": "env echo one"})),
+                        calls(("Shell", {"command": "env touch pwned"})),
+                        calls(("Shell", {"command": "echo hi\rtouch pwned2"})),
+                        scripted_reply("ok"))
+        agent = self.start()
+        answers = iter([ALLOW_ALWAYS, REJECT, REJECT])
+        _, updates, requests = self.prompt(agent, self.new_session(agent), "go",
+                                           answer=lambda frame: next(answers))
+        self.assertEqual(len(requests), 3)
+        self.assertIn("Allow this exact command for this session",
+                      [o["name"] for o in requests[0]["params"]["options"]])
+        self.assertFalse(os.path.exists(os.path.join(self.project, "pwned")))
+        self.assertEqual(requests[2]["params"]["toolCall"]["title"], "echo hi\\rtouch pwned2")
+        call = requests[0]["params"]["toolCall"]
+        self.assertEqual((call["kind"], call["status"], call["rawInput"]),
+                         ("execute", "pending", {"command": "env echo one"}))
+        self.assertIn("locations", call)
+
+    def test_a_folder_swapped_for_a_symlink_while_the_card_is_open(self):
+        self.write("sub/f.txt", "old\n")
+        self.fake_model(calls(("WriteFile", {"path": "sub/f.txt", "content": "new\n"})),
+                        scripted_reply("ok"))
+        agent = self.start()
+
+        def swap_then_allow(frame):
+            shutil.move(os.path.join(self.project, "sub"), os.path.join(self.tmp, "moved"))
+            os.symlink(self.outside, os.path.join(self.project, "sub"))
+            return ALLOW
+        _, updates, requests = self.prompt(agent, self.new_session(agent), "go",
+                                           answer=swap_then_allow)
+        self.assertEqual(len(requests), 1)
+        self.assertFalse(os.path.exists(os.path.join(self.outside, "f.txt")))
+        self.assertEqual(list(final_status(updates).values()), ["failed"])
+        self.assertIn("now leads to", self.tool_messages(1)[0])
+
+    def test_an_outside_approval_is_per_effect(self):
+        self.outside_file("notes.txt", "secret\n")
+        self.fake_model(calls(("ReadFile", {"path": "../outside/notes.txt"})),
+                        calls(("WriteFile", {"path": "../outside/notes.txt", "content": "x"})),
+                        calls(("DeleteFile", {"path": "../outside/notes.txt"})),
+                        calls(("ReadFile", {"path": "../outside/notes.txt"})),
+                        scripted_reply("ok"))
+        agent = self.start()
+        session_id = self.new_session(agent)
+        agent.call("session/set_mode", {"sessionId": session_id, "modeId": "auto-edit"})
+        answers = iter([ALLOW_ALWAYS, REJECT, REJECT])
+        _, updates, requests = self.prompt(agent, session_id, "go",
+                                           answer=lambda frame: next(answers))
+        self.assertEqual(len(requests), 3)       # the second read was covered, nothing else
+        self.assertIn("reading in", requests[0]["params"]["options"][1]["name"])
+        self.assertIn("changes in", requests[1]["params"]["options"][1]["name"])
+        self.assertIn("deleting in", requests[2]["params"]["options"][1]["name"])
+        with open(os.path.join(self.outside, "notes.txt")) as f:
+            self.assertEqual(f.read(), "secret\n")
+
+    def test_grep_and_glob_never_follow_links_out_or_open_special_files(self):
+        self.outside_file("secret.txt", "TOPSECRET\n")
+        self.write("ok.txt", "TOPSECRET is a word here\n")
+        os.symlink(os.path.join(self.outside, "secret.txt"), os.path.join(self.project, "leak.txt"))
+        os.symlink(self.outside, os.path.join(self.project, "outdir"))
+        os.symlink(os.path.join(self.project, "ok.txt"), os.path.join(self.project, "same.txt"))
+        os.mkfifo(os.path.join(self.project, "pipe.txt"))
+        self.fake_model(calls(("Grep", {"pattern": "TOPSECRET"})),
+                        calls(("Glob", {"pattern": "**/*.txt"})), scripted_reply("ok"))
+        agent = self.start()
+        self.prompt(agent, self.new_session(agent), "look", timeout=20)
+        self.assertEqual(sorted(self.tool_messages(1)[0].splitlines()),
+                         ["ok.txt:1: TOPSECRET is a word here",
+                          "same.txt:1: TOPSECRET is a word here"])
+        self.assertEqual(sorted(self.tool_messages(2)[1].splitlines()), ["ok.txt", "same.txt"])
+
+    def test_commands_do_not_see_secrets(self):
+        self.fake_model(calls(("Shell", {"command": "env"})), scripted_reply("ok"))
+        agent = self.start(env={"QCR_API_KEY": "sk-model-key-1", "GITHUB_TOKEN": "ghp_2",
+                                "MY_SERVICE_PASSWORD": "hunter3", "AWS_SECRET_ACCESS_KEY": "a4",
+                                "INNOCENT": "sk-model-key-1", "DEPLOY_TOKEN": "let-me-5",
+                                "QCR_PASS_ENV": "DEPLOY_TOKEN", "HARMLESS": "visible-6"})
+        session_id = self.new_session(agent)
+        agent.call("session/set_mode", {"sessionId": session_id, "modeId": "yolo"})
+        self.prompt(agent, session_id, "env")
+        output = self.tool_messages(1)[0]
+        for secret in ("sk-model-key-1", "ghp_2", "hunter3", "a4\n"):
+            self.assertNotIn(secret, output)
+        self.assertIn("DEPLOY_TOKEN=let-me-5", output)
+        self.assertIn("HARMLESS=visible-6", output)
+
+    def test_model_server_credentials_never_follow_a_redirect_elsewhere(self):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        self.fake_model(scripted_reply("hello"))
+        elsewhere = self.model.url.replace("127.0.0.1", "localhost")
+
+        class Redirect(BaseHTTPRequestHandler):
+            def do_POST(self):
+                self.send_response(302)
+                self.send_header("Location", elsewhere + "/chat/completions")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
+        threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+        self.addCleanup(server.server_close)
+        self.addCleanup(server.shutdown)
+        agent = self.start(env={"QCR_BASE_URL": f"http://127.0.0.1:{server.server_address[1]}/v1",
+                                "QCR_API_KEY": "sk-secret-key"})
+        self.prompt(agent, self.new_session(agent), "hi")
+        self.assertTrue(self.model.seen, "the redirect was not followed")
+        for path, headers in self.model.seen:
+            self.assertNotIn("sk-secret-key", json.dumps(headers))
+
+
 class FakeEditor:
     """An ACP client that implements the editor's methods for real: fs/* on the disk (with
     unsaved buffers that win over it), terminal/* with real child processes, permission and
@@ -3112,6 +3417,45 @@ class TestMcp(AcpTestCase):
         self.prompt(agent, response["result"]["sessionId"], "again", answer=approve)
         self.assertEqual(asked, [])
         self.assertIn("mcp__localsrv__echo", self.offered(-1))
+
+    def test_a_project_plugin_server_of_any_transport_asks_and_a_change_asks_again(self):
+        http = FakeMcpHttp()
+        self.addCleanup(http.close)
+        calls_made = []
+        original = http.server_logic.handle
+        http.server_logic.handle = lambda message, *a: calls_made.append(message) or \
+            original(message, *a)
+
+        def plugin(headers):
+            self.write(".qcr/plugins/remote/plugin.json", json.dumps({"mcpServers": {
+                "remote": {"type": "http", "url": http.url + "/mcp", "headers": headers}}}))
+        plugin({"X-Team": "a"})
+        self.fake_model(calls(("mcp__remote__echo", {"text": "hi"})), scripted_reply("ok"))
+        for answer, asked, connected in (("reject_once", 1, False),
+                                         ("allow_project", 2, True),     # + the echo call
+                                         ("allow_once", 0, True),        # both remembered
+                                         ("CHANGED", 1, True)):          # the server again
+            with self.subTest(answer=answer):
+                if answer == "CHANGED":
+                    plugin({"X-Team": "b"})
+                calls_made.clear()
+                self.model.respond = Script(calls(("mcp__remote__echo", {"text": "hi"})),
+                                            scripted_reply("ok"))
+                agent = self.start()
+                session_id = self.mcp_session(agent, [])
+                choice = "allow_once" if answer == "CHANGED" else answer
+                _, updates, requests = self.prompt(agent, session_id, "go", answer={
+                    "outcome": {"outcome": "selected", "optionId": choice}})
+                self.assertEqual(len(requests), asked, [r["params"]["toolCall"]["title"]
+                                                        for r in requests])
+                self.assertEqual(bool(calls_made), connected)
+                if answer == "reject_once":
+                    self.assertIn("Start the project plugin's MCP server remote",
+                                  requests[0]["params"]["toolCall"]["title"])
+                elif answer == "allow_project":  # its server says echo is read-only:
+                    echo = [r for r in requests if "Echo" in r["params"]["toolCall"]["title"]]
+                    self.assertEqual(len(echo), 1)     # ... a project's server is not believed
+                agent.close()
 
     @unittest.skipUnless(os.path.exists(os.environ.get("QCR_MCP_EVERYTHING", "/nonexistent")),
                          "the reference MCP server is not installed (.ci/run installs it)")
