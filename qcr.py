@@ -32,6 +32,10 @@ Files qcr writes (all under ~/.qcr/):
 Security: qcr runs shell commands and changes files when the model asks. In the
 "default" mode every change and every command needs the user's approval first;
 "auto-edit" approves file changes but still asks before commands; "plan" refuses both.
+One policy decides every call, from the effects each tool declares (section 5, "The
+permission policy"). qcr itself executes only: bash for approved Shell commands, approved or
+user-configured MCP servers, `git ls-files` with every program-running setting overridden,
+and itself (`--search-worker`) for Grep.
 """
 from __future__ import annotations
 
