@@ -94,15 +94,39 @@ def log(message: str, *, error: bool = False) -> None:
     """
     line = time.strftime("%Y-%m-%d %H:%M:%S ") + message.rstrip() + "\n"
     try:
-        home = os.path.join(os.path.expanduser("~"), ".qcr")
-        os.makedirs(home, exist_ok=True)
-        with open(os.path.join(home, "qcr.log"), "a", encoding="utf-8") as f:
+        home = private_dir(os.path.join(os.path.expanduser("~"), ".qcr"))
+        with open(os.open(os.path.join(home, "qcr.log"), os.O_WRONLY | os.O_APPEND |
+                          os.O_CREAT, 0o600), "a", encoding="utf-8") as f:
             f.write(line)
     except OSError:
         pass
     if error:
         sys.stderr.write(line)
         sys.stderr.flush()
+
+
+def private_dir(path: str) -> str:
+    """A folder of qcr's own (~/.qcr, its sessions): made readable by the user alone."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    if stat.S_IMODE(os.stat(path).st_mode) & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
+def write_private(path: str, text: str) -> None:
+    """Replace a file atomically, readable by the user alone: a temporary file, fsync,
+    rename. Nothing is left behind when the disk is full or the write fails."""
+    temporary = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w",
+                  encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
 
 
 # =============================================================================================
@@ -1292,17 +1316,8 @@ class SessionStore:
                           separators=(",", ":"))
         meta = {k: data[k] for k in META_KEYS if k in data}
         meta["bodyChars"] = len(body)          # ASCII JSON: characters are bytes
-        os.makedirs(self.root, exist_ok=True)
-        temporary = f"{path}.{os.getpid()}.tmp"
-        try:
-            with open(temporary, "w", encoding="ascii") as f:
-                f.write(json.dumps(meta, separators=(",", ":")) + "\n" + body + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(temporary, path)
-        finally:
-            if os.path.exists(temporary):
-                os.remove(temporary)
+        private_dir(self.root)
+        write_private(path, json.dumps(meta, separators=(",", ":")) + "\n" + body + "\n")
 
     def flush(self) -> None:
         """Wait for every save asked for so far."""
@@ -2495,12 +2510,19 @@ class Ledger:
         return {"version": 1, "global": valid(data.get("global")),
                 "projects": {p: valid(e) for p, e in projects.items()}}
 
-    def write(self, data: dict) -> None:
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        temporary = f"{self.path}.{os.getpid()}.tmp"
-        with open(temporary, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1)
-        os.replace(temporary, self.path)
+    def change(self, edit: Callable[[dict], None]) -> None:
+        """Read, edit and write the file under a lock, so that two qcr processes answering
+        at once both keep their answers; the write is atomic and private."""
+        private_dir(os.path.dirname(self.path))
+        with open(os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)) as lock:
+            try:
+                import fcntl
+                fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            except ImportError:        # no fcntl (Windows): the atomic write still holds
+                pass
+            data = self.read()
+            edit(data)
+            write_private(self.path, json.dumps(data, indent=1))
 
     def scoped(self, session: Session) -> list:
         """(scope, key, entry) for every answer that applies to the session, nearest first."""
@@ -2520,11 +2542,11 @@ class Ledger:
         if scope == "session":
             session.allowed[key] = entry
             return
-        data = self.read()
-        (data["global"] if scope == "global" else
-         data["projects"].setdefault(session.cwd, {}))[key] = entry
+        def edit(data: dict) -> None:
+            (data["global"] if scope == "global" else
+             data["projects"].setdefault(session.cwd, {}))[key] = entry
         try:
-            self.write(data)
+            self.change(edit)
         except OSError as e:
             log(f"could not save {self.path}: {e}")
             session.allowed[key] = entry
@@ -2533,10 +2555,8 @@ class Ledger:
         if scope == "session":
             session.allowed.pop(key, None)
             return
-        data = self.read()
-        (data["global"] if scope == "global" else
-         data["projects"].get(session.cwd, {})).pop(key, None)
-        self.write(data)
+        self.change(lambda data: (data["global"] if scope == "global" else
+                                  data["projects"].get(session.cwd, {})).pop(key, None))
 
 
 READ_LINES = 2000              # lines ReadFile returns by default
@@ -4497,7 +4517,8 @@ class StdioTransport:
             self.proc = await asyncio.create_subprocess_exec(
                 self.spec["command"], *self.spec.get("args", []), env=env,
                 cwd=self.spec.get("cwd"), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=log_file or subprocess.DEVNULL, limit=MAX_FRAME_BYTES)
+                stderr=log_file or subprocess.DEVNULL, limit=MAX_FRAME_BYTES,
+                start_new_session=True)       # its own group: stopped with its children
         except OSError as e:
             raise McpError(f"cannot start {self.spec['command']}: {e.strerror or e}") from None
         finally:
@@ -4529,25 +4550,32 @@ class StdioTransport:
             self.conn.notify(method, params)
 
     async def close(self) -> None:
-        """The MCP SDK's order: close stdin, wait a moment, terminate, wait, kill."""
+        """The MCP SDK's order: close stdin, wait a moment, terminate, wait, kill -- the
+        whole process group at the end, so the server's own children go too."""
+        import signal
         proc = self.proc
-        if proc is None or proc.returncode is not None:
+        if proc is None:
             return
+        if proc.returncode is None:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+            for stop in (None, proc.terminate, proc.kill):
+                if stop:
+                    try:
+                        stop()
+                    except ProcessLookupError:
+                        break
+                try:
+                    await asyncio.wait_for(proc.wait(), 1.0)
+                    break
+                except asyncio.TimeoutError:
+                    continue
         try:
-            proc.stdin.close()
+            os.killpg(proc.pid, signal.SIGKILL)
         except OSError:
             pass
-        for stop in (None, proc.terminate, proc.kill):
-            if stop:
-                try:
-                    stop()
-                except ProcessLookupError:
-                    return
-            try:
-                await asyncio.wait_for(proc.wait(), 1.0)
-                return
-            except asyncio.TimeoutError:
-                continue
 
 
 class HttpTransport:
@@ -5607,9 +5635,19 @@ async def stdin_reader() -> asyncio.StreamReader:
 
 
 async def serve(config: Config, write: Callable[[bytes], None], trace: Any) -> None:
+    """The agent on stdin/stdout until EOF -- or SIGTERM or SIGHUP, which end it the same
+    way: running turns cancelled and answered, children stopped, sessions saved, exit 0."""
+    import signal
     agent = Agent(config)
     agent.conn = Connection(write, agent.on_request, agent.on_notification, trace)
-    await agent.conn.serve(await stdin_reader())
+    reader = await stdin_reader()
+    for name in ("SIGTERM", "SIGHUP"):
+        try:
+            asyncio.get_running_loop().add_signal_handler(getattr(signal, name),
+                                                          reader.feed_eof)
+        except (AttributeError, NotImplementedError, RuntimeError):
+            pass        # no such signal here (Windows)
+    await agent.conn.serve(reader)
     await agent.shutdown()
 
 

@@ -519,6 +519,58 @@ class TestWire(AcpTestCase):
         self.assertClean(agent)
 
 
+def processes_with(marker):
+    """Live processes (anyone's children or not) whose command line holds marker."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and alive(int(entry)):
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+class TestSignals(AcpTestCase):
+    def test_sigterm_and_sighup_end_qcr_as_eof_does(self):
+        """A turn running a command, an MCP server with a child of its own: the signal
+        cancels and answers the turn, saves, stops every process qcr started, exits 0."""
+        for number, name in ((signal.SIGTERM, "SIGTERM"), (signal.SIGHUP, "SIGHUP")):
+            with self.subTest(signal=name):
+                marker = f"{987 if number == signal.SIGTERM else 986}.5"
+                self.fake_model(calls(("Shell", {"command": f"sleep {marker}1 & sleep {marker}2"})),
+                                scripted_reply("never"))
+                agent = self.start()
+                server = {"name": "kid", "command": "bash", "env": [], "args": [
+                    "-c", f"sleep {marker}3 & exec {sys.executable} {os.path.abspath(__file__)} "
+                    "--fake-mcp"]}
+                agent.call("initialize", {"protocolVersion": 1})
+                response, _, _ = agent.call("session/new", {"cwd": self.project,
+                                                            "mcpServers": [server]})
+                session_id = response["result"]["sessionId"]
+                agent.call("session/set_mode", {"sessionId": session_id, "modeId": "yolo"})
+                request_id = agent.request("session/prompt", {"sessionId": session_id,
+                                                              "prompt": [{"type": "text",
+                                                                          "text": "go"}]})
+                deadline = time.monotonic() + 15
+                while len(processes_with(marker)) < 3:      # (cmdline is NUL-separated)
+                    self.assertLess(time.monotonic(), deadline, "the processes never started")
+                    time.sleep(0.05)
+                agent.proc.send_signal(number)
+                response, _, _ = agent.wait(request_id)
+                self.assertResult(response, {"stopReason": "cancelled"})
+                self.assertEqual(agent.proc.wait(10), 0)
+                time.sleep(0.3)
+                self.assertEqual(processes_with(marker), [])
+                saved = read_session_file(os.path.join(self.home, ".qcr", "sessions",
+                                                       session_id + ".json"))
+                self.assertIn("Cancelled by the user.", json.dumps(saved["transcript"]))
+                self.assertClean(agent)
+                self.model.close()
+
+
 class TestConnectionInProcess(unittest.TestCase):
     """The error boundary, with handlers that crash on purpose."""
 
@@ -823,6 +875,44 @@ class TestPersistence(AcpTestCase):
         self.assertEqual(response["error"]["data"], {"sessionId": missing})
         response, _, _ = agent.call("initialize", {"protocolVersion": 1})
         self.assertResult(response)
+
+
+class TestSharedFiles(AcpTestCase):
+    def test_what_qcr_keeps_is_private_and_left_whole(self):
+        self.fake_model(calls(("WriteFile", {"path": "a.txt", "content": "x"})),
+                        scripted_reply("ok"))
+        agent = self.start()
+        session_id = self.new_session(agent)
+        self.prompt(agent, session_id, "go", answer={"outcome": {
+            "outcome": "selected", "optionId": "allow_project"}})
+        agent.send({"jsonrpc": "2.0", "id": 999, "result": {}})   # logged: no such request
+        agent.call("session/list", {})
+        agent.close()
+        qcr_home = os.path.join(self.home, ".qcr")
+        for path, mode in ((qcr_home, 0o700), (os.path.join(qcr_home, "sessions"), 0o700),
+                           (os.path.join(qcr_home, "sessions", session_id + ".json"), 0o600),
+                           (os.path.join(qcr_home, "permissions.json"), 0o600),
+                           (os.path.join(qcr_home, "qcr.log"), 0o600)):
+            with self.subTest(path=path):
+                self.assertEqual(stat_mode(path), mode)
+        left = [n for _, _, names in os.walk(qcr_home) for n in names if n.endswith(".tmp")]
+        self.assertEqual(left, [])
+
+    def test_answers_remembered_at_once_by_two_writers_are_all_kept(self):
+        path = os.path.join(self.home, ".qcr", "permissions.json")
+        session = qcr.Session(id="acp-0000000000000000-0000000000000000", cwd=self.project)
+
+        def remember(writer):
+            ledger = qcr.Ledger(path)        # each its own, as two qcr processes are
+            for i in range(40):
+                ledger.remember(session, "project", f"key-{writer}-{i}", True, "label")
+        threads = [threading.Thread(target=remember, args=(w,)) for w in "ab"]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        kept = qcr.Ledger(path).read()["projects"][self.project]
+        self.assertEqual(len(kept), 80)
 
 
 def visible(updates):
