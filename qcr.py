@@ -674,19 +674,21 @@ class Agent:
 
     def save(self, session: Session) -> None:
         """Write the session to disk (off the loop); a failure is told once in the thread."""
-        if not session.messages or session.deleted:
-            return      # nothing said yet: nothing worth a file
+        if session.deleted:
+            return
         session.updated = time.time()
         done = self.store.save(session)
 
         def report(future: Any) -> None:
             error = future.exception()
-            if error is not None and not session.unsaved:
+            if error is not None and not session.unsaved and session.messages:  # (else
+                # the thread is not shown yet: the next save, after a prompt, tells)
                 session.unsaved = True
                 log(f"could not save session {session.id}: {error}")
-                self.update(session, message_chunk(
-                    "agent_message_chunk", f"\n[warning] this session cannot be saved, so it "
-                    f"will not reopen after a restart: {error}\n"))
+                why = str(error) if isinstance(error, SessionConflict) else \
+                    f"this session cannot be saved, so it will not reopen after a restart: {error}"
+                self.update(session, message_chunk("agent_message_chunk",
+                                                   f"\n[warning] {why}\n"))
         asyncio.wrap_future(done).add_done_callback(report)
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -772,6 +774,7 @@ class Agent:
                           additional_dirs=dirs, notice=self.notice)
         self.notice = ""
         self.sessions[session_id] = session
+        self.save(session)           # listed, resumable and deletable from now on
         self.after_answer(session)
         return {"sessionId": session_id, "modes": self.modes(session),
                 "configOptions": self.config_options(session)}
@@ -1259,7 +1262,7 @@ def replayable(update: Any) -> bool:
 
 
 META_KEYS = ("version", "sessionId", "cwd", "additionalDirectories", "title", "mode", "model",
-             "createdAt", "updatedAt", "created", "updated", "contextUsed")
+             "createdAt", "updatedAt", "created", "updated", "contextUsed", "generation")
 LIST_PAGE = 50      # sessions per session/list page
 
 
@@ -1277,6 +1280,10 @@ class SessionDamaged(Exception):
     """A session file that cannot be read back (truncated, corrupt, not qcr's)."""
 
 
+class SessionConflict(Exception):
+    """Another qcr process wrote the session since this one read it: ours went aside."""
+
+
 class SessionStore:
     """One file per session under `root`, written off the event loop.
 
@@ -1289,6 +1296,7 @@ class SessionStore:
     def __init__(self, root: str):
         self.root = root
         self._executor = None
+        self.known: dict = {}     # session id -> the file's generation as this process left it
 
     def path(self, session_id: str) -> str:
         if not SESSION_ID_RE.fullmatch(session_id):    # never a path outside root
@@ -1312,12 +1320,37 @@ class SessionStore:
         return self.submit(self._write, self.path(session.id), snapshot)
 
     def _write(self, path: str, data: dict) -> None:
+        """Write a snapshot -- unless another process wrote the file since this one last
+        read or wrote it: then ours goes beside it (`<id>.json.conflict-<pid>`), both are
+        kept, and SessionConflict says where."""
+        session_id = data["sessionId"]
+        on_disk = self.generation(path)
+        known = self.known.get(session_id)
+        generation = max(on_disk or 0, known or 0) + 1
         body = json.dumps({k: v for k, v in data.items() if k not in META_KEYS},
                           separators=(",", ":"))
         meta = {k: data[k] for k in META_KEYS if k in data}
-        meta["bodyChars"] = len(body)          # ASCII JSON: characters are bytes
+        meta.update(generation=generation, bodyChars=len(body))   # ASCII: chars are bytes
+        text = json.dumps(meta, separators=(",", ":")) + "\n" + body + "\n"
         private_dir(self.root)
-        write_private(path, json.dumps(meta, separators=(",", ":")) + "\n" + body + "\n")
+        if on_disk is not None and on_disk != known:
+            aside = f"{path}.conflict-{os.getpid()}"
+            write_private(aside, text)
+            raise SessionConflict(f"another qcr changed this session since it was opened "
+                                  f"here; its version was kept, and this thread's is in {aside}")
+        write_private(path, text)
+        self.known[session_id] = generation
+
+    def generation(self, path: str) -> Optional[int]:
+        """The generation of the session file at path; None if there is none (or no
+        readable one: a damaged file is overwritten, as a lost one would be)."""
+        try:
+            with open(path, "rb") as f:
+                meta = loads(f.readline().decode("ascii"))
+        except (OSError, ValueError):
+            return None
+        value = meta.get("generation", 0) if isinstance(meta, dict) else 0
+        return value if isinstance(value, int) else 0
 
     def flush(self) -> None:
         """Wait for every save asked for so far."""
@@ -1348,6 +1381,8 @@ class SessionStore:
             raise SessionDamaged(str(e)) from None
         if not isinstance(body, dict):
             raise SessionDamaged("the body is not a JSON object")
+        generation = meta.get("generation", 0)
+        self.known[session_id] = generation if isinstance(generation, int) else 0
         return {**body, **meta}
 
     async def load(self, session_id: str) -> Session:
@@ -1382,6 +1417,7 @@ class SessionStore:
         return aside
 
     def delete(self, session_id: str) -> bool:
+        self.known.pop(session_id, None)
         try:
             os.remove(self.path(session_id))
             return True

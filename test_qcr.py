@@ -846,11 +846,23 @@ class TestPersistence(AcpTestCase):
         self.assertEqual(roles, ["system", "user"])    # the failed turn's prompt is merged
         self.assertIn("hi\n\nagain", self.model.requests[-1]["messages"][1]["content"])
 
-    def test_no_file_until_something_is_said_and_save_failures_are_told(self):
+    def test_a_new_session_is_a_file_at_once_and_save_failures_are_told(self):
         agent = self.start()
-        self.new_session(agent)
+        session_id = self.new_session(agent)
         agent.close()
-        self.assertFalse(os.path.exists(os.path.join(self.home, ".qcr", "sessions")))
+        path = os.path.join(self.home, ".qcr", "sessions", session_id + ".json")
+        self.assertEqual(read_session_file(path)["messages"], [])
+        agent = self.start()                 # never prompted, still a session everywhere
+        agent.call("initialize", {"protocolVersion": 1})
+        listed = agent.call("session/list", {})[0]["result"]["sessions"]
+        self.assertEqual([s["sessionId"] for s in listed], [session_id])
+        params = {"sessionId": session_id, "cwd": self.project, "mcpServers": []}
+        self.assertResult(agent.call("session/resume", params)[0])
+        self.assertResult(agent.call("session/close", {"sessionId": session_id})[0])
+        self.assertResult(agent.call("session/delete", {"sessionId": session_id})[0])
+        self.assertEqual(agent.call("session/list", {})[0]["result"]["sessions"], [])
+        agent.close()
+        shutil.rmtree(os.path.join(self.home, ".qcr", "sessions"))
         os.makedirs(os.path.join(self.home, ".qcr"), exist_ok=True)
         with open(os.path.join(self.home, ".qcr", "sessions"), "w") as f:
             f.write("a file where the folder should be")
@@ -860,6 +872,32 @@ class TestPersistence(AcpTestCase):
         self.assertResult(response, {"stopReason": "end_turn"})
         self.assertEqual(text_of(updates).count("this session cannot be saved"), 1)
         self.assertClean(agent)
+
+    def test_two_processes_on_one_session_keep_both_versions(self):
+        self.fake_model(scripted_reply("from A"), scripted_reply("from B"))
+        first = self.start()
+        session_id = self.new_session(first)
+        params = {"sessionId": session_id, "cwd": self.project, "mcpServers": []}
+        second = self.start()
+        second.call("initialize", {"protocolVersion": 1})
+        self.assertResult(second.call("session/load", params)[0])
+        self.prompt(first, session_id, "A speaks")
+        _, updates, _ = self.prompt(second, session_id, "B speaks")
+        deadline = time.monotonic() + 5
+        while "another qcr changed this session" not in text_of(updates):
+            self.assertLess(time.monotonic(), deadline, text_of(updates))
+            frame = second.recv()
+            updates.append(frame["params"]["update"])
+        first.close()
+        second.close()
+        path = os.path.join(self.home, ".qcr", "sessions", session_id + ".json")
+        said = [m["content"] for m in read_session_file(path)["messages"]]
+        self.assertEqual(said, ["A speaks", "from A"])
+        aside = [n for n in os.listdir(os.path.dirname(path)) if ".conflict-" in n]
+        self.assertEqual(len(aside), 1)
+        said = [m["content"] for m in read_session_file(
+            os.path.join(os.path.dirname(path), aside[0]))["messages"]]
+        self.assertEqual(said, ["B speaks", "from B"])
 
     def test_load_refuses_foreign_ids_and_reports_missing_and_damaged_files(self):
         agent = self.start()
