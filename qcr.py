@@ -2372,8 +2372,10 @@ class ToolContext:
                     "fs/read_text_file", {"sessionId": self.session.id, "path": real})
                 if isinstance(result, dict) and isinstance(result.get("content"), str):
                     text = result["content"]
-            except RpcError:
-                pass       # no such buffer or file, or a refusal: the disk decides
+            except RpcError as e:      # the editor's word stands -- unless it has no such
+                if e.code != METHOD_NOT_FOUND and on_disk:    # method, or no such file
+                    raise ToolError(f"the editor could not read {path}: {e.message}") \
+                        from None
         if text is None and on_disk:
             text = read_text(real)
         if remember and text is not None:
@@ -2400,8 +2402,13 @@ class ToolContext:
                     "sessionId": self.session.id, "path": real, "content": text})
                 await self.read(path)      # format-on-save may have changed what landed
                 return
-            except (RpcError, OSError) as e:
-                log(f"fs/write_text_file failed for {real}; writing to disk: {e}")
+            except OSError as e:
+                raise ToolError(f"cannot create the folder for {path}: {e.strerror}") from None
+            except RpcError as e:        # never behind the editor's back, unless it has no
+                if e.code != METHOD_NOT_FOUND:                    # such method after all
+                    raise ToolError(f"the editor refused to write {path}: {e.message}; "
+                                    "nothing was written") from None
+                log(f"fs/write_text_file is not there for {real}; writing to disk")
         write_text(real, text)
         self.session.seen[path] = digest(text)
 

@@ -2693,6 +2693,35 @@ class TestEditorIntegration(AcpTestCase):
         self.assertIn("fs/read_text_file", editor.methods())
         self.assertClean(agent)
 
+    def test_an_editor_refusal_stands_and_qcr_does_not_go_around_it(self):
+        self.write("kept.txt", "mine\n")
+        self.fake_model(calls(("ReadFile", {"path": "kept.txt"})),
+                        calls(("WriteFile", {"path": "kept.txt", "content": "theirs\n"})),
+                        calls(("WriteFile", {"path": "new.txt", "content": "n\n"})),
+                        calls(("WriteFile", {"path": "new2.txt", "content": "n\n"})),
+                        scripted_reply("ok"))
+        agent = self.start()
+        editor, session_id = self.editor_session(agent)
+        refusals = iter([(-32603, "the file is locked"), (-32601, "Method not found")])
+
+        def refuse(frame, params):
+            code, message = next(refusals)
+            return editor.error(frame, code, message)
+        editor.fs_read_text_file = lambda frame, params: editor.error(frame, -32603, "busy") \
+            if params["path"].endswith("kept.txt") else FakeEditor.fs_read_text_file(
+                editor, frame, params)
+        editor.fs_write_text_file = refuse
+        _, updates, _ = self.prompt(agent, session_id, "go", answer=editor)
+        results = [self.tool_messages(i)[-1] for i in (1, 2, 3)]
+        self.assertIn("the editor could not read", results[0])
+        self.assertIn("busy", results[0])
+        self.assertIn("could not read", results[1])      # a change reads first, too
+        self.assertEqual(self.read("kept.txt"), "mine\n")
+        self.assertIn("the editor refused to write", results[2])
+        self.assertIn("the file is locked", results[2])
+        self.assertFalse(os.path.exists(os.path.join(self.project, "new.txt")))
+        self.assertEqual(self.read("new2.txt"), "n\n")   # no such method after all: disk
+
     def test_a_file_changed_behind_qcrs_back_is_not_clobbered(self):
         for capabilities in (FakeEditor.CAPABILITIES, {}):
             with self.subTest(through_editor=bool(capabilities)):
