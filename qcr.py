@@ -182,11 +182,25 @@ class RpcError(Exception):
         return cls(RESOURCE_NOT_FOUND, "Resource not found: " + what, data or None)
 
 
+class NumberTooLarge(ValueError):
+    """A JSON number beyond a double (1e999): it would come back out as Infinity."""
+
+
 def loads(data: Any) -> Any:
-    """Strict JSON: NaN and Infinity are not JSON, and a peer may reject a frame holding them."""
+    """Strict JSON: NaN and Infinity are not JSON, and a peer may reject a frame holding
+    them -- nor is a number too large for a double, which would turn into Infinity."""
     def reject(constant: str) -> Any:
         raise ValueError(f"{constant} is not valid JSON")
-    return json.loads(data, parse_constant=reject)
+
+    def number(text: str) -> float:
+        value = float(text)
+        if value in (float("inf"), float("-inf")):
+            raise NumberTooLarge(f"the number {text[:24]} is too large")
+        return value
+    try:
+        return json.loads(data, parse_constant=reject, parse_float=number)
+    except RecursionError:
+        raise ValueError("the JSON is nested too deeply") from None
 
 
 LONE_SURROGATE = re.compile(r"\\ud[89ab][0-9a-f]{2}(?!\\ud[c-f])|"
@@ -295,6 +309,17 @@ class Connection:
             return
         try:
             message = loads(line.decode("utf-8"))
+        except NumberTooLarge as e:     # a frame all the same: its params are what is wrong
+            message = json.loads(line, parse_float=lambda text: 0.0)
+            if isinstance(message, dict) and valid_id(message.get("id")):
+                if "method" not in message:       # an answer of theirs: our request fails
+                    return self._resolve({"id": message.get("id"), "error": {
+                        "code": INVALID_PARAMS, "message": str(e)}})
+                if "id" in message:
+                    self.reply(message.get("id"), error=RpcError.invalid_params("params", str(e)))
+                return
+            self.bad_frames += 1
+            return self.reply(None, error=RpcError.parse_error(str(e)))
         except (ValueError, RecursionError) as e:   # includes invalid UTF-8
             self.bad_frames += 1
             return self.reply(None, error=RpcError.parse_error(str(e)[:200]))
@@ -531,8 +556,8 @@ async def prompt_content(blocks: Any, read_link: Callable) -> tuple:
                              "not shown]")
         elif kind == "resource_link":
             uri = block.get("uri")
-            if not isinstance(uri, str):
-                raise RpcError.invalid_params(f"prompt[{i}].uri", "must be a string")
+            if not isinstance(uri, str) or "\0" in uri or "%00" in uri:
+                raise RpcError.invalid_params(f"prompt[{i}].uri", "must be a string (no NUL)")
             parts.append(await read_link(uri))
         elif kind == "image":
             data, mime = block.get("data"), block.get("mimeType")
@@ -917,7 +942,8 @@ class Agent:
         cwd, cursor = params.get("cwd"), params.get("cursor")
         if cwd is not None and (not isinstance(cwd, str) or not os.path.isabs(cwd)):
             raise RpcError.invalid_params("cwd", "must be an absolute path")
-        if cursor is not None and not (isinstance(cursor, str) and cursor.isdigit()):
+        if cursor is not None and not (isinstance(cursor, str) and cursor.isdigit() and
+                                       len(cursor) <= 9):
             raise RpcError.invalid_params("cursor", "is not a cursor from session/list")
         start = int(cursor or 0)
         found = [m for m in await self.store.run(self.store.list)
@@ -1472,9 +1498,12 @@ class ProviderError(Exception):
     """
 
     def __init__(self, message: str, status: Optional[int] = None, retry: bool = False,
-                 retry_after: Optional[float] = None):
+                 retry_after: Optional[float] = None, summary: str = "",
+                 nobody_home: bool = False):
         super().__init__(message)
         self.status, self.retry, self.retry_after = status, retry, retry_after
+        self.summary = summary or message.split(". ")[0]   # for the one-line retry note
+        self.nobody_home = nobody_home    # this machine refused: no server is listening
 
 
 NOT_CONFIGURED = ("no model is configured. Point qcr at an OpenAI-compatible server: set "
@@ -1736,10 +1765,15 @@ class HttpStream:
             if self.aborted:
                 return
             reason = getattr(e, "reason", e)
+            host = origin_of(self.url)[1]
+            refused = isinstance(reason, ConnectionRefusedError) and (
+                host in ("localhost", "::1") or host.startswith("127."))
             put("error", ProviderError(
                 f"cannot reach the model server at {self.base_url} ({reason}). Is it running? "
                 "Check the base URL: QCR_BASE_URL or OPENAI_BASE_URL in the environment, "
-                "or baseUrl in ~/.qcr/config.json.", retry=True))
+                "or baseUrl in ~/.qcr/config.json.", retry=True,
+                summary=f"cannot reach the model server at {self.base_url}",
+                nobody_home=refused))
 
     def abort(self) -> None:
         """Stop reading: shut the socket so the thread's blocking read returns now."""
@@ -1782,11 +1816,14 @@ def http_error(status: int, body: bytes, base_url: str,
             except (TypeError, ValueError):
                 wait = None
     return ProviderError(f"the model server answered HTTP {status}: {detail[:500]} -- {hint}.",
-                         status, retry=status == 429 or status >= 500, retry_after=wait)
+                         status, retry=status == 429 or status >= 500, retry_after=wait,
+                         summary=f"the model server answered HTTP {status}: "
+                                 f"{detail.splitlines()[0][:120] if detail else hint}")
 
 
 RETRY_FIRST = 1.0              # seconds before the first retry; doubled each time, jittered
 RETRY_MAX_WAIT = 20.0          # longest single wait between tries
+NOBODY_HOME_BUDGET = 3.0       # seconds of retrying a refused connection on this machine
 
 
 class Provider:
@@ -1806,18 +1843,22 @@ class Provider:
         if not self.base_url() or not self.model:
             raise ProviderError(NOT_CONFIGURED)
         body = json.dumps(self.request_body(messages, tools)).encode()
-        deadline, attempt = time.monotonic() + self.config.retry_budget, 0
+        start, attempt = time.monotonic(), 0
+        deadline = start + self.config.retry_budget
         while True:
             try:
                 return await self.attempt(body, reply, emit)
             except ProviderError as e:
                 attempt += 1
+                if e.nobody_home:     # a local server not started: say so soon, not later
+                    deadline = min(deadline, start + NOBODY_HOME_BUDGET)
                 wait = e.retry_after if e.retry_after is not None else min(
                     RETRY_MAX_WAIT, RETRY_FIRST * 2 ** (attempt - 1)) * random_jitter()
+                if e.nobody_home:
+                    wait = min(wait, 0.5)
                 if not e.retry or reply.started or time.monotonic() + wait > deadline:
                     raise
-                emit("agent_message_chunk", f"_[{str(e).split(' -- ')[0].split('. ')[0]}; "
-                     f"retrying in {wait:.0f} s]_\n\n")
+                emit("agent_message_chunk", f"_[{e.summary}; retrying in {wait:.0f} s]_\n\n")
                 await asyncio.sleep(wait)       # cancel lands here too
 
     async def attempt(self, body: bytes, reply: Reply, emit: Callable) -> Reply:

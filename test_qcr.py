@@ -571,6 +571,58 @@ class TestSignals(AcpTestCase):
                 self.model.close()
 
 
+class TestBadInput(AcpTestCase):
+    """Wrong parameters get -32602 or a failed tool result -- never -32603 -- and nothing
+    qcr writes, frame or file, ever holds NaN or Infinity."""
+
+    def test_wrong_params_are_invalid_params(self):
+        agent = self.start()
+        session_id = self.new_session(agent)
+        for method, params in (
+                ("session/list", {"cursor": "9" * 5000}),
+                ("session/prompt", {"sessionId": session_id, "prompt": [
+                    {"type": "resource_link", "uri": "file:///etc/passwd%00.txt",
+                     "name": "x"}]}),
+                ("session/prompt", {"sessionId": session_id, "prompt": [
+                    {"type": "resource_link", "uri": "file:///tmp/a\u0000b", "name": "x"}]})):
+            with self.subTest(method=method, params=str(params)[:60]):
+                self.assertRpcError(agent.call(method, params)[0], qcr.INVALID_PARAMS)
+        agent.send_raw(b'{"jsonrpc":"2.0","id":"big","method":"session/set_mode","params":'
+                       b'{"sessionId":"x","modeId":"plan","n":1e999}}\n')
+        response, _, _ = agent.wait("big")
+        self.assertRpcError(response, qcr.INVALID_PARAMS, "too large")
+        self.assertClean(agent)
+
+    def test_hostile_tool_arguments_are_failed_results_and_the_session_reloads(self):
+        deep = "[" * 100000 + "]" * 100000
+        self.fake_model(
+            [sse(completion_chunk({"tool_calls": [{"index": 0, "id": "c1", "function": {
+                "name": "ReadFile", "arguments": '{"path": "a", "offset": 1e999}'}}]})),
+             sse(completion_chunk({"tool_calls": [{"index": 1, "id": "c2", "function": {
+                 "name": "ReadFile", "arguments": '{"path": ' + deep + '}'}}]})),
+             sse(completion_chunk(finish="tool_calls")), sse(b"[DONE]")],
+            scripted_reply("ok"))
+        agent = self.start()
+        session_id = self.new_session(agent)
+        response, updates, _ = self.prompt(agent, session_id, "go")
+        self.assertResult(response, {"stopReason": "end_turn"})
+        results = self.tool_messages(1)
+        self.assertIn("too large", results[0])
+        self.assertIn("nested too deeply", results[1])
+        agent.close()
+        path = os.path.join(self.home, ".qcr", "sessions", session_id + ".json")
+        with open(path) as f:
+            strict_json(f.readline())
+            strict_json(f.readline())          # no NaN, no Infinity in the file
+        agent = self.start()
+        agent.call("initialize", {"protocolVersion": 1})
+        response, replayed, _ = agent.call("session/load", {
+            "sessionId": session_id, "cwd": self.project, "mcpServers": []})
+        self.assertResult(response)
+        self.assertEqual(sorted(final_status(replayed).values()), ["failed", "failed"])
+        self.assertEqual(agent.bad_lines, [])
+
+
 class TestConnectionInProcess(unittest.TestCase):
     """The error boundary, with handlers that crash on purpose."""
 
@@ -1312,6 +1364,17 @@ class TestSlashCommands(AcpTestCase):
 # =============================================================================================
 
 class TestProvider(AcpTestCase):
+    def test_a_local_server_that_is_not_running_is_said_soon(self):
+        """Connection refused on this machine (Ollama not started) is not retried for the
+        whole budget (60 s here): the answer comes well inside this test's 15 s wait."""
+        agent = self.start(env={"QCR_RETRY_BUDGET": "60"})     # 127.0.0.1:9: nobody there
+        response, updates, _ = self.prompt(agent, self.new_session(agent), "hi", timeout=15)
+        self.assertResult(response, {"stopReason": "end_turn"})
+        said = text_of(updates)
+        self.assertIn("[error] cannot reach the model server at http://127.0.0.1:9/v1", said)
+        self.assertIn("retrying in", said)
+        self.assertNotIn(" -- ", said.split("[error]")[0])      # the notes read cleanly
+
     def test_streaming_text_thoughts_and_request_shape(self):
         self.fake_model([sse(completion_chunk({"reasoning_content": "Hmm, "})),
                          sse(completion_chunk({"reasoning": "let me see."})),
