@@ -1198,6 +1198,13 @@ class Session:
             self.transcript.append(update)
         # Mode, config, title and command updates are state, replayed from the session's fields.
 
+    def reshow(self, call_id: str, **fields) -> None:
+        """Change how a tool call replays (not what was sent): an editor terminal's card
+        replays as its output, since a new process cannot show a dead terminal."""
+        at = self._tool_at.get(call_id)
+        if at is not None:
+            self.transcript[at] = {**self.transcript[at], **fields}
+
     def _close_run(self) -> None:
         if self._run is not None:
             kind, texts = self._run
@@ -2165,6 +2172,7 @@ class ToolResult:
     content: list = field(default_factory=list)    # what the user sees (ToolCallContent)
     raw: Any = None                                # rawOutput, shown when content is empty
     locations: Optional[list] = None               # replaces the announced locations
+    replay: Optional[list] = None                  # content for a replay, if not `content`
 
 
 @dataclass
@@ -3318,9 +3326,11 @@ async def run_in_terminal(ctx: ToolContext, command: str, timeout: float) -> Too
               f"[killed by signal {signal_name}]" if signal_name else f"[exit code {code}]")
     if result.get("truncated"):
         status = "[the start of the output was cut]\n" + status
+    tail = output[-SHELL_OUTPUT_CHARS // 3:] if output else "(no output)"
     return ToolResult(f"{output}\n{status}".strip(), shown,
                       {"exitCode": code, "signal": signal_name, "timedOut": timed_out,
-                       "terminalId": terminal_id})
+                       "terminalId": terminal_id},
+                      replay=[text_content(f"$ {printable(command)}\n{tail}\n{status}")])
 
 
 SECRET_NAME = re.compile(r"(^|_)(API_?KEY|ACCESS_KEY|SECRET_KEY|PRIVATE_KEY|TOKEN|SECRET|"
@@ -4183,6 +4193,8 @@ async def run_tool_call(agent: Agent, session: Session, call: dict) -> dict:
     if result.locations is not None:
         update["locations"] = result.locations
     agent.update(session, tool_call_update(call_id, **update))
+    if result.replay is not None:
+        session.reshow(call_id, content=result.replay)
     return tool_message(call["id"], result.output)
 
 

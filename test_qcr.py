@@ -2819,7 +2819,7 @@ class TestEditorIntegration(AcpTestCase):
     def test_shell_runs_in_the_editors_terminal(self):
         self.fake_model(calls(("Shell", {"command": "echo hi from $0; exit 4"})),
                         scripted_reply("ok"))
-        agent = self.start()
+        agent = self.start(env={"SOME_DEPLOY_TOKEN": "t0ken"})
         editor, session_id = self.editor_session(agent)
         _, updates, _ = self.prompt(agent, session_id, "run", answer=editor)
         create = [p for m, p in editor.calls if m == "terminal/create"][0]
@@ -2830,6 +2830,17 @@ class TestEditorIntegration(AcpTestCase):
         self.assertEqual(self.tool_messages(1)[0], f"hi from {qcr.SHELL}\n[exit code 4]")
         self.assertTrue(editor.terminals["term-0"]["released"])
         self.assertEqual(editor.methods()[-1], "terminal/release")
+        self.assertIn({"name": "SOME_DEPLOY_TOKEN", "value": ""}, create["env"])  # blanked
+        self.assertTrue(all(e["value"] == "" for e in create["env"]))
+        agent.close()
+        agent = self.start()               # a new process: the terminal is long gone
+        agent.call("initialize", {"protocolVersion": 1})
+        _, replayed, _ = agent.call("session/load", {"sessionId": session_id,
+                                                     "cwd": self.project, "mcpServers": []})
+        card = [u for u in replayed if u["sessionUpdate"] == "tool_call"][0]
+        self.assertEqual(card["content"], [{"type": "content", "content": {
+            "type": "text", "text": f"$ echo hi from $0; exit 4\nhi from {qcr.SHELL}\n"
+                                    "[exit code 4]"}}])
 
     def test_a_terminal_is_killed_and_released_on_timeout_and_on_cancel(self):
         self.fake_model(calls(("Shell", {"command": "echo start; sleep 30", "timeout": 1})),
