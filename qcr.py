@@ -697,15 +697,30 @@ class Agent:
             raise RpcError.resource_not_found(f"no session {session_id}", sessionId=session_id)
         return session
 
-    def save(self, session: Session) -> None:
+    async def saved(self, session: Session) -> None:
+        """Save the session and wait until it is on disk (a failure is told, not raised)."""
+        done = self.save(session)
+        if done is not None:
+            await asyncio.wait([done])
+
+    async def update_saved(self, session: Session, update: dict) -> None:
+        """Send an update only once the state it reports is on disk: a step the user saw
+        completed survives a kill that comes right after."""
+        if session.origin:
+            update = dict(update, _meta=session.origin)
+        session.record(update)
+        await self.saved(session)
+        self.conn.notify("session/update", {"sessionId": session.id, "update": update})
+
+    def save(self, session: Session) -> Optional[asyncio.Future]:
         """Write the session to disk (off the loop); a failure is told once in the thread."""
         if session.deleted:
-            return
+            return None
         session.updated = time.time()
-        done = self.store.save(session)
+        done = asyncio.wrap_future(self.store.save(session))
 
         def report(future: Any) -> None:
-            error = future.exception()
+            error = None if future.cancelled() else future.exception()
             if error is not None and not session.unsaved and session.messages:  # (else
                 # the thread is not shown yet: the next save, after a prompt, tells)
                 session.unsaved = True
@@ -714,7 +729,8 @@ class Agent:
                     f"this session cannot be saved, so it will not reopen after a restart: {error}"
                 self.update(session, message_chunk("agent_message_chunk",
                                                    f"\n[warning] {why}\n"))
-        asyncio.wrap_future(done).add_done_callback(report)
+        done.add_done_callback(report)
+        return done
 
     # -- lifecycle ----------------------------------------------------------------------------
     @rpc("initialize")
@@ -967,6 +983,7 @@ class Agent:
         session.cancel()
         if turn is not None and not turn.done():
             await asyncio.wait([turn], timeout=SHUTDOWN_GRACE)
+        await self.saved(session)        # after the prompt's own answer, which waits on it
         self.sessions.pop(session.id, None)
         await self.stop_mcp(session)
         return {}
@@ -1075,6 +1092,7 @@ class Agent:
             if not session.turn.cancelled():
                 raise
             stop_reason = "cancelled"    # cancelled before the turn even started
+        await self.saved(session)        # the answer comes once the turn's end is on disk
         return {"stopReason": stop_reason}
 
     async def read_link(self, session: Session, uri: str) -> str:
@@ -1330,6 +1348,8 @@ class SessionStore:
         self.root = root
         self._executor = None
         self.known: dict = {}     # session id -> the file's generation as this process left it
+        self.waiting: dict = {}   # session id -> [newest snapshot, its future]: not yet written
+        self.lock = threading.Lock()
 
     def path(self, session_id: str) -> str:
         if not SESSION_ID_RE.fullmatch(session_id):    # never a path outside root
@@ -1348,9 +1368,30 @@ class SessionStore:
         return asyncio.wrap_future(self.submit(fn, *args))
 
     def save(self, session: Session) -> Any:
-        """Queue a write of the session; returns its concurrent.futures.Future."""
+        """Queue a write of the session; a concurrent.futures.Future of the write that will
+        hold this state. Saves never fall behind: while a session's write waits its turn, a
+        newer snapshot replaces the one it would write, and both callers share it."""
+        from concurrent.futures import Future
         snapshot = session.to_json()      # shallow copies: later appends don't race the write
-        return self.submit(self._write, self.path(session.id), snapshot)
+        with self.lock:
+            waiting = self.waiting.get(session.id)
+            if waiting is not None:
+                waiting[0] = snapshot
+                return waiting[1]
+            self.waiting[session.id] = [snapshot, Future()]
+            done = self.waiting[session.id][1]
+        self.submit(self._write_newest, session.id)
+        return done
+
+    def _write_newest(self, session_id: str) -> None:
+        with self.lock:
+            snapshot, done = self.waiting.pop(session_id)
+        try:
+            self._write(self.path(session_id), snapshot)
+        except Exception as e:
+            done.set_exception(e)
+        else:
+            done.set_result(None)
 
     def _write(self, path: str, data: dict) -> None:
         """Write a snapshot -- unless another process wrote the file since this one last
@@ -3990,8 +4031,7 @@ async def run_turn(agent: Agent, session: Session, text: str, shown: str = "",
             if not calls:
                 return "end_turn"
             for call in calls:
-                session.messages.append(await run_tool_call(agent, session, call))
-                agent.save(session)
+                await run_tool_call(agent, session, call)
         return "max_turn_requests"
     except ProviderError as e:
         keep_partial(session, reply)
@@ -4147,8 +4187,9 @@ def keep_partial(session: Session, reply: Optional[Reply]) -> None:
         session.messages.append({"role": "assistant", "content": reply.text})
 
 
-async def run_tool_call(agent: Agent, session: Session, call: dict) -> dict:
-    """Announce, check, approve, run and report one tool call; returns the tool message."""
+async def run_tool_call(agent: Agent, session: Session, call: dict) -> None:
+    """Announce, check, approve, run and report one tool call. Its result joins the
+    context and is saved before the client hears that it completed."""
     call_id = "call-" + os.urandom(6).hex()
     tool_ = TOOLS.get(call["name"]) or agent.mcp_tools(session).get(call["name"])
     try:
@@ -4179,28 +4220,39 @@ async def run_tool_call(agent: Agent, session: Session, call: dict) -> dict:
             ctx.start()
         result = await tool_.run(ctx, **kwargs)
     except ToolError as e:
-        return fail_tool_call(agent, session, call, call_id, str(e))
+        return await finish_call(agent, session, call_id, tool_message(call["id"], "Error: " +
+                                                                       str(e)), failure(str(e)))
     except asyncio.CancelledError:
         fail_tool_call(agent, session, call, call_id, "Cancelled by the user.")
         raise
     except Exception as e:
         import traceback
         log(f"tool {call['name']} crashed:\n{traceback.format_exc()}", error=True)
-        return fail_tool_call(agent, session, call, call_id,
-                              f"qcr failed inside the tool ({type(e).__name__}: {e})")
+        why = f"qcr failed inside the tool ({type(e).__name__}: {e})"
+        return await finish_call(agent, session, call_id,
+                                 tool_message(call["id"], "Error: " + why), failure(why))
     update = {"status": "completed", "content": result.content,
               "rawOutput": result.raw if result.raw is not None else {"output": result.output}}
     if result.locations is not None:
         update["locations"] = result.locations
-    agent.update(session, tool_call_update(call_id, **update))
+    await finish_call(agent, session, call_id, tool_message(call["id"], result.output), update)
     if result.replay is not None:
         session.reshow(call_id, content=result.replay)
-    return tool_message(call["id"], result.output)
+
+
+async def finish_call(agent: Agent, session: Session, call_id: str, message: dict,
+                      update: dict) -> None:
+    """The call's result into the context, on disk, and then shown as done."""
+    session.messages.append(message)
+    await agent.update_saved(session, tool_call_update(call_id, **update))
+
+
+def failure(why: str) -> dict:
+    return {"status": "failed", "content": [text_content(why)], "rawOutput": {"error": why}}
 
 
 def fail_tool_call(agent: Agent, session: Session, call: dict, call_id: str, why: str) -> dict:
-    agent.update(session, tool_call_update(call_id, status="failed",
-                                           content=[text_content(why)], rawOutput={"error": why}))
+    agent.update(session, tool_call_update(call_id, **failure(why)))
     return tool_message(call["id"], "Error: " + why)
 
 

@@ -925,6 +925,45 @@ class TestPersistence(AcpTestCase):
         self.assertEqual(text_of(updates).count("this session cannot be saved"), 1)
         self.assertClean(agent)
 
+    def test_every_step_seen_completed_survives_sigkill(self):
+        """Kill qcr at random moments of a long turn, many times: every tool call the
+        client saw completed is completed in the file, and the file always loads."""
+        import random
+        seed = random.randrange(10 ** 6)
+        rng = random.Random(seed)
+        self.write("a.txt", "x\n")
+        self.fake_model(lambda body: [0.01] + calls(("ReadFile", {"path": "a.txt"})))
+        session_id, seen, kills = None, set(), 0
+        for _ in range(12):
+            agent = self.start()
+            if session_id is None:
+                session_id = self.new_session(agent)
+            else:
+                agent.call("initialize", {"protocolVersion": 1})
+                agent.call("session/load", {"sessionId": session_id, "cwd": self.project,
+                                            "mcpServers": []})
+            agent.request("session/prompt", {"sessionId": session_id, "prompt": [
+                {"type": "text", "text": "read on"}]})
+            time.sleep(rng.uniform(0.05, 0.6))
+            agent.proc.kill()
+            agent.proc.wait()
+            kills += 1
+            while True:
+                frame = agent.frames.get(timeout=5)
+                if frame is None:
+                    break
+                update = frame.get("params", {}).get("update", {})
+                if update.get("sessionUpdate") == "tool_call_update" and \
+                        update.get("status") == "completed":
+                    seen.add(update["toolCallId"])
+        saved = read_session_file(os.path.join(self.home, ".qcr", "sessions",
+                                               session_id + ".json"))
+        done = {u["toolCallId"] for u in saved["transcript"]
+                if u["sessionUpdate"] == "tool_call" and u.get("status") == "completed"}
+        self.assertGreater(len(seen), 3, f"seed {seed}: too few steps to prove anything")
+        self.assertEqual(seen - done, set(), f"seed {seed}: seen completed, lost on disk")
+        self.assertEqual(kills, 12)
+
     def test_two_processes_on_one_session_keep_both_versions(self):
         self.fake_model(scripted_reply("from A"), scripted_reply("from B"))
         first = self.start()
