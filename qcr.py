@@ -1538,6 +1538,9 @@ class SessionStore:
 # the socket down, which ends the thread's blocking read at once. Busy servers (429, 5xx) and
 # failed connections are retried with backoff -- but only before the first byte of a reply.
 
+MAX_EVENT_BYTES = 16 << 20    # longest line (one event) read from a model or MCP stream
+
+
 class ProviderError(Exception):
     """The model call failed; the message says what happened and how to fix it.
 
@@ -1559,6 +1562,18 @@ NOT_CONFIGURED = ("no model is configured. Point qcr at an OpenAI-compatible ser
                   "OPENAI_MODEL, plus OPENAI_API_KEY for a hosted API -- or ANTHROPIC_API_KEY "
                   "-- in the agent's \"env\" in your editor settings, or in ~/.qcr/config.json "
                   "(see the README), or run `python3 qcr.py --login`.")
+
+
+def bounded_lines(stream: Any, limit: int = MAX_EVENT_BYTES) -> Any:
+    """The lines of a response, none longer than `limit`: a server cannot make qcr hold a
+    line of any size in memory (ValueError when one is longer)."""
+    while True:
+        line = stream.readline(limit + 1)
+        if not line:
+            return
+        if len(line) > limit:
+            raise ValueError(f"a line of the stream passed {limit // (1 << 20)} MiB")
+        yield line
 
 
 def parse_sse(lines) -> Any:
@@ -1647,13 +1662,23 @@ class Reply:
     usage: Optional[dict] = None
     thinking_blocks: list = field(default_factory=list)   # Anthropic's, signed, sent back
     started: bool = False     # a byte of the reply has arrived: too late to retry
-    _slots: dict = field(default_factory=dict)      # stream index -> call
+    max_chars: int = 1 << 62          # the bounds a hostile server meets (Config.max_reply_…)
+    max_calls: int = 1 << 62
+    max_argument_chars: int = 1 << 62
+    chars: int = 0                    # text and thoughts so far
+    dropped: int = 0                  # tool calls past max_calls, not kept
+    _slots: dict = field(default_factory=dict)      # stream index -> call (None: dropped)
 
     @property
     def text(self) -> str:
         return "".join(self.parts)
 
     def say(self, kind: str, text: str, emit: Callable) -> None:
+        self.chars += len(text)
+        if self.chars > self.max_chars:
+            raise ProviderError(f"the model's reply passed {self.max_chars:,} characters, so "
+                                "qcr stopped reading it there (maxReplyChars).",
+                                summary="the reply was too long")
         (self.thoughts if kind == "agent_thought_chunk" else self.parts).append(text)
         emit(kind, text)
 
@@ -1665,9 +1690,15 @@ class Reply:
             return
         index, call_id = delta.get("index"), delta.get("id")
         function = delta.get("function") if isinstance(delta.get("function"), dict) else {}
+        if index is not None and index in self._slots and self._slots[index] is None:
+            return                              # a call that was dropped: its rest too
         slot = self._slots.get(index) if index is not None else (
             self.calls[-1] if self.calls and not call_id else None)
         if slot is None or (call_id and slot["id"] and call_id != slot["id"]):
+            if len(self.calls) >= self.max_calls:
+                self.dropped += 1
+                self._slots[index] = None
+                return
             slot = {"id": "", "name": "", "arguments": ""}
             self.calls.append(slot)
             self._slots[index] = slot
@@ -1677,9 +1708,12 @@ class Reply:
             slot["name"] = function["name"]
         arguments = function.get("arguments")
         if isinstance(arguments, dict):        # some servers send the object itself
-            slot["arguments"] = json.dumps(arguments)
-        elif isinstance(arguments, str):
-            slot["arguments"] += arguments
+            arguments = json.dumps(arguments)
+        if isinstance(arguments, str) and not slot.get("cut"):
+            if len(slot["arguments"]) + len(arguments) > self.max_argument_chars:
+                slot["cut"], slot["arguments"] = True, ""     # kept neither here nor saved
+            else:
+                slot["arguments"] += arguments
 
     def message(self) -> dict:
         """The assistant message for the model's context (canonical, OpenAI's shape)."""
@@ -1798,8 +1832,8 @@ class HttpStream:
             if self.aborted:
                 return response.close()
             if "text/event-stream" not in response.headers.get("Content-Type", ""):
-                return put("whole", loads(response.read()))  # stream was ignored
-            for data in parse_sse(response):
+                return put("whole", loads(response.read(MAX_EVENT_BYTES)))   # not streamed
+            for data in parse_sse(bounded_lines(response)):
                 if data.strip() == "[DONE]":
                     return put("end", True)
                 put("data", loads(data))
@@ -4021,9 +4055,9 @@ async def run_turn(agent: Agent, session: Session, text: str, shown: str = "",
         for _ in range(agent.config.max_turn_requests):
             if needs_compaction(agent, session):
                 await compact(agent, session, "", automatic=True)
-            reply = Reply()
+            reply = bounded_reply(agent.config)
             await ask_model(agent, session, provider, reply, emit)
-            calls, finish, reply = reply.calls, reply.finish, None
+            calls, finish, dropped, reply = reply.calls, reply.finish, reply.dropped, None
             if finish == "length":
                 return "max_tokens"
             if finish == "content_filter":
@@ -4032,6 +4066,13 @@ async def run_turn(agent: Agent, session: Session, text: str, shown: str = "",
                 return "end_turn"
             for call in calls:
                 await run_tool_call(agent, session, call)
+            if dropped:
+                note = (f"[qcr] Your reply asked for {len(calls) + dropped} tool calls; qcr "
+                        f"runs at most {len(calls)} from one reply (maxToolCalls), so the other "
+                        f"{dropped} were not run. Ask for fewer at a time.")
+                session.messages.append({"role": "user", "content": note})
+                emit("agent_message_chunk", f"\n[note] {dropped} tool calls of that reply "
+                     f"were not run: more than maxToolCalls ({len(calls)}).\n\n")
         return "max_turn_requests"
     except ProviderError as e:
         keep_partial(session, reply)
@@ -4187,6 +4228,12 @@ def keep_partial(session: Session, reply: Optional[Reply]) -> None:
         session.messages.append({"role": "assistant", "content": reply.text})
 
 
+def bounded_reply(config: Config) -> Reply:
+    """A Reply that holds a hostile server to the configured bounds."""
+    return Reply(max_chars=config.max_reply_chars, max_calls=config.max_tool_calls,
+                 max_argument_chars=config.max_argument_chars)
+
+
 async def run_tool_call(agent: Agent, session: Session, call: dict) -> None:
     """Announce, check, approve, run and report one tool call. Its result joins the
     context and is saved before the client hears that it completed."""
@@ -4212,6 +4259,11 @@ async def run_tool_call(agent: Agent, session: Session, call: dict) -> None:
                 session.mode, agent.config.web, agent.mcp_tools(session))]
             raise ToolError(f"there is no tool named {call['name']!r}; the tools are "
                             f"{', '.join(names)}.")
+        if call.get("cut"):
+            raise ToolError(f"the arguments were over {agent.config.max_argument_chars:,} "
+                            "characters (maxToolArgumentChars), so they were dropped and "
+                            "nothing was run. Send smaller pieces: several EditFile calls "
+                            "instead of one huge WriteFile.")
         if bad_json is not None:
             raise ToolError(f"the arguments were not valid JSON ({bad_json}); send a JSON "
                             "object.")
@@ -4756,14 +4808,14 @@ class HttpTransport:
                 if "id" not in message or response.status == 202:
                     return None
                 if "text/event-stream" in response.headers.get("Content-Type", ""):
-                    for data in parse_sse(response):
+                    for data in parse_sse(bounded_lines(response)):
                         reply = loads(data)
                         if reply.get("id") == message["id"] and "method" not in reply:
                             return reply
                         if "method" in reply and "id" not in reply:
                             self.on_notification(reply["method"], reply.get("params") or {})
                     raise McpError(f"{self.name} ended its stream without an answer")
-                return loads(response.read())
+                return loads(response.read(MAX_EVENT_BYTES))
         except urllib.error.HTTPError as e:
             raise McpError(f"{self.name} answered HTTP {e.code} {e.reason}") from None
         except (urllib.error.URLError, OSError, ValueError) as e:
@@ -4813,7 +4865,7 @@ class SseTransport:
                                        self.spec.get("headers"), None)   # idle is fine
                 event = ""
                 data: list = []
-                for raw in self.stream:
+                for raw in bounded_lines(self.stream):
                     line = raw.decode("utf-8", "replace").rstrip("\r\n")
                     if line.startswith("event:"):
                         event = line[6:].strip()
@@ -5174,6 +5226,9 @@ class Config:
     server_windows: dict = field(default_factory=dict)   # model -> window the server reported
     home: str = ""                               # ~/.qcr
     pass_env: list = field(default_factory=list)  # secret-looking variables commands may see
+    max_reply_chars: int = 2_000_000             # text and thoughts in one model reply
+    max_tool_calls: int = 64                     # tool calls run from one model reply
+    max_argument_chars: int = 4_000_000          # one tool call's arguments, characters
     problems: list = field(default_factory=list) # mistakes in the configuration, for the user
 
 
@@ -5188,7 +5243,8 @@ CONFIG_KEYS = {    # config.json key -> (Config attribute, type)
     "images": ("images", bool), "retryBudget": ("retry_budget", float),
     "sendReasoning": ("send_reasoning", bool), "thinkingBudget": ("thinking_budget", int),
     "localServers": ("local_servers", list), "toolProtocol": ("tool_protocol", str),
-    "passEnv": ("pass_env", list),
+    "passEnv": ("pass_env", list), "maxReplyChars": ("max_reply_chars", int),
+    "maxToolCalls": ("max_tool_calls", int), "maxToolArgumentChars": ("max_argument_chars", int),
     "mcpStartTimeout": ("mcp_start_timeout", float),
     "mcpCallTimeout": ("mcp_call_timeout", float),
     "web": ("web", bool), "searchBackend": ("search_backend", str),
@@ -5212,6 +5268,8 @@ ENV_KEYS = [       # environment variable -> config.json key; later ones win
     ("BRAVE_API_KEY", "braveApiKey"),
     ("TAVILY_API_KEY", "tavilyApiKey"), ("QCR_MCP_START_TIMEOUT", "mcpStartTimeout"),
     ("QCR_MCP_CALL_TIMEOUT", "mcpCallTimeout"), ("QCR_PASS_ENV", "passEnv"),
+    ("QCR_MAX_REPLY_CHARS", "maxReplyChars"), ("QCR_MAX_TOOL_CALLS", "maxToolCalls"),
+    ("QCR_MAX_TOOL_ARGUMENT_CHARS", "maxToolArgumentChars"),
 ]
 LOCAL_SERVERS = ("http://127.0.0.1:11434/v1",   # Ollama
                  "http://127.0.0.1:8080/v1",    # llama.cpp's llama-server

@@ -1403,6 +1403,44 @@ class TestSlashCommands(AcpTestCase):
 # =============================================================================================
 
 class TestProvider(AcpTestCase):
+    def test_a_hostile_model_server_is_held_to_bounds(self):
+        """A reply too long, thousands of tool calls in one reply, arguments too large:
+        each ends with a clear message (and a result for the model), the session stays
+        small and usable."""
+        self.write("a.txt", "x\n")
+        flood = [sse(completion_chunk({"tool_calls": [{
+            "index": i, "id": f"c{i}", "function": {"name": "ReadFile",
+                                                   "arguments": '{"path": "a.txt"}'}}]}))
+            for i in range(5000)]
+        huge = [sse(completion_chunk({"tool_calls": [{"index": 0, "id": "big", "function": {
+            "name": "WriteFile", "arguments": '{"path": "b.txt", "content": "'}}]}))] + [
+            sse(completion_chunk({"tool_calls": [{"index": 0, "function": {
+                "arguments": "y" * 100_000}}]})) for _ in range(60)]
+        self.fake_model(flood + [sse(completion_chunk(finish="tool_calls")), sse(b"[DONE]")],
+                        huge + [sse(completion_chunk(finish="tool_calls")), sse(b"[DONE]")],
+                        [sse(completion_chunk({"content": "z" * 50_000})),
+                         sse(completion_chunk({"content": "z" * 60_000})),
+                         sse(completion_chunk(finish="stop")), sse(b"[DONE]")])
+        agent = self.start(env={"QCR_MAX_REPLY_CHARS": "100000",
+                                "QCR_MAX_TOOL_ARGUMENT_CHARS": "1000000"})
+        session_id = self.new_session(agent)
+        agent.call("session/set_mode", {"sessionId": session_id, "modeId": "yolo"})
+        response, updates, _ = self.prompt(agent, session_id, "go", timeout=60)
+        self.assertResult(response, {"stopReason": "end_turn"})
+        cards = [u for u in updates if u["sessionUpdate"] == "tool_call"]
+        self.assertEqual(len(cards), 64 + 1)                  # maxToolCalls, then the big one
+        said = text_of(updates)
+        self.assertIn("4936 tool calls of that reply were not run", said)
+        self.assertIn("runs at most 64 from one reply", json.dumps(self.model.requests[1]))
+        self.assertIn("maxToolArgumentChars", self.tool_messages(2)[-1])
+        self.assertFalse(os.path.exists(os.path.join(self.project, "b.txt")))
+        self.assertIn("[error] the model's reply passed 100,000 characters", said)
+        self.assertLess(os.path.getsize(os.path.join(
+            self.home, ".qcr", "sessions", session_id + ".json")), 1_000_000)
+        self.model.respond = Script(scripted_reply("still here"))
+        response, updates, _ = self.prompt(agent, session_id, "hello?")
+        self.assertEqual(text_of(updates), "still here")
+
     def test_a_local_server_that_is_not_running_is_said_soon(self):
         """Connection refused on this machine (Ollama not started) is not retried for the
         whole budget (60 s here): the answer comes well inside this test's 15 s wait."""
