@@ -2775,9 +2775,12 @@ def read_text(path: str) -> Optional[str]:
 
 
 def write_text(path: str, text: str) -> None:
+    """Write a file's whole text -- never through a link at the last step of its path
+    (the tools pass a real path: a link found there now was put there since)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w", encoding="utf-8", newline="") as f:
+        with open(os.open(path, flags, 0o666), "w", encoding="utf-8", newline="") as f:
             f.write(text)
     except OSError as e:
         raise ToolError(f"cannot write {path}: {e.strerror}") from None
@@ -3039,12 +3042,23 @@ def walk_files(root: str) -> list:
     except (OSError, subprocess.SubprocessError):
         pass
     rules = gitignore_rules(root)
-    found = []
-    for folder, dirs, files in os.walk(root):
-        rel_folder = os.path.relpath(folder, root).replace(os.sep, "/")
-        prefix = "" if rel_folder == "." else rel_folder + "/"
-        dirs[:] = sorted(d for d in dirs if d != ".git" and not ignored(prefix + d, True, rules))
-        found.extend(prefix + f for f in files if not ignored(prefix + f, False, rules))
+    found, folders = [], [""]       # a stack, not recursion: trees of any depth
+    while folders:
+        prefix = folders.pop()
+        try:
+            entries = list(os.scandir(os.path.join(root, prefix) if prefix else root))
+        except OSError:
+            continue
+        for entry in entries:
+            rel = prefix + entry.name
+            try:
+                is_dir = entry.is_dir(follow_symlinks=False)
+            except OSError:
+                continue
+            if is_dir and entry.name != ".git" and not ignored(rel, True, rules):
+                folders.append(rel + "/")
+            elif not is_dir and not ignored(rel, False, rules):
+                found.append(rel)
     return sorted(found)
 
 
