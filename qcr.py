@@ -4064,6 +4064,7 @@ async def run_turn(agent: Agent, session: Session, text: str, shown: str = "",
              + "\n\n")
     provider = make_provider(agent.config, session.model)
     reply: Optional[Reply] = None
+    failures: dict = {}           # (tool, arguments, error) -> how often, this turn
     try:
         await learn_context_window(agent.config, session.model)
         for _ in range(agent.config.max_turn_requests):
@@ -4080,6 +4081,10 @@ async def run_turn(agent: Agent, session: Session, text: str, shown: str = "",
                 return "end_turn"
             for call in calls:
                 await run_tool_call(agent, session, call)
+                if going_nowhere(session, call, failures):
+                    emit("agent_message_chunk", f"\n[note] The turn was stopped: the model "
+                         f"made the same failing {call['name']} call {REPEAT_STOP} times.\n")
+                    return "end_turn"
             if dropped:
                 note = (f"[qcr] Your reply asked for {len(calls) + dropped} tool calls; qcr "
                         f"runs at most {len(calls)} from one reply (maxToolCalls), so the other "
@@ -4101,6 +4106,23 @@ async def run_turn(agent: Agent, session: Session, text: str, shown: str = "",
 
 
 JOB_TICK = 0.5                 # seconds between looks at the scheduled jobs
+REPEAT_WARN, REPEAT_STOP = 3, 5    # the same failing call: told to stop; the turn stopped
+
+
+def going_nowhere(session: Session, call: dict, failures: dict) -> bool:
+    """Count a call that failed exactly as before (same tool, arguments and error): the
+    model is told at REPEAT_WARN, and the turn ends at REPEAT_STOP -- small models loop."""
+    result = session.messages[-1].get("content", "")
+    if not isinstance(result, str) or not result.startswith("Error:"):
+        return False
+    key = (call["name"], call["arguments"], result)
+    failures[key] = failures.get(key, 0) + 1
+    if failures[key] == REPEAT_WARN:
+        session.messages.append({"role": "user", "content": (
+            f"[qcr] You have made the same {call['name']} call {REPEAT_WARN} times, and it "
+            "failed the same way each time. Do not repeat it: read the error, change the "
+            "arguments or take another approach, or ask the user.")})
+    return failures[key] >= REPEAT_STOP
 
 
 async def run_job(agent: Agent, session: Session, prompt: str) -> str:

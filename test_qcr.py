@@ -3174,6 +3174,16 @@ class TestEditorIntegration(AcpTestCase):
 # =============================================================================================
 
 class TestTurns(AcpTestCase):
+    def test_the_same_failing_call_again_and_again_ends_the_turn(self):
+        self.fake_model(calls(("ReadFile", {"path": "missing.txt"})))     # forever
+        agent = self.start()
+        response, updates, _ = self.prompt(agent, self.new_session(agent), "read it")
+        self.assertResult(response, {"stopReason": "end_turn"})
+        self.assertEqual(len(self.model.requests), 5)
+        self.assertIn("made the same failing ReadFile call 5 times", text_of(updates))
+        told = [m["content"] for m in self.model.requests[3]["messages"] if m["role"] == "user"]
+        self.assertIn("Do not repeat it", told[-1])
+
     def test_every_update_comes_before_the_response(self):
         self.fake_model(calls(("LS", {})), scripted_reply("Listed."))
         agent = self.start()
