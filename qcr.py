@@ -1550,8 +1550,9 @@ class ProviderError(Exception):
 
     def __init__(self, message: str, status: Optional[int] = None, retry: bool = False,
                  retry_after: Optional[float] = None, summary: str = "",
-                 nobody_home: bool = False):
+                 nobody_home: bool = False, detail: str = ""):
         super().__init__(message)
+        self.detail = detail               # the server's own words, without qcr's hints
         self.status, self.retry, self.retry_after = status, retry, retry_after
         self.summary = summary or message.split(". ")[0]   # for the one-line retry note
         self.nobody_home = nobody_home    # this machine refused: no server is listening
@@ -1897,10 +1898,14 @@ def http_error(status: int, body: bytes, base_url: str,
                 wait = max(0.0, parsedate_to_datetime(retry_after).timestamp() - time.time())
             except (TypeError, ValueError):
                 wait = None
-    return ProviderError(f"the model server answered HTTP {status}: {detail[:500]} -- {hint}.",
-                         status, retry=status == 429 or status >= 500, retry_after=wait,
-                         summary=f"the model server answered HTTP {status}: "
-                                 f"{detail.splitlines()[0][:120] if detail else hint}")
+    error = ProviderError(f"the model server answered HTTP {status}: {detail[:500]} -- {hint}.",
+                          status, retry=status == 429 or status >= 500, retry_after=wait,
+                          summary=f"the model server answered HTTP {status}: "
+                                  f"{detail.splitlines()[0][:120] if detail else hint}",
+                          detail=detail)
+    if rejects_tools(error):      # a 500 that says so will not change on a retry
+        error.retry = False
+    return error
 
 
 RETRY_FIRST = 1.0              # seconds before the first retry; doubled each time, jittered
@@ -4165,9 +4170,13 @@ TOOL_BLOCK = re.compile(r"```tool\s*\n(.*?)```", re.S)
 
 
 def rejects_tools(error: ProviderError) -> bool:
-    text = str(error).lower()
-    return error.status == 400 and "tool" in text and (
-        "support" in text or "not" in text or "unknown" in text or "invalid" in text)
+    """Does the server's own error say the model takes no tool definitions? (Its words
+    only: never qcr's hint. llama.cpp without --jinja answers 500 "tools param requires
+    --jinja flag"; others 400 "does not support tools".)"""
+    text = error.detail.lower()
+    return error.status in (400, 422, 500) and "tool" in text and any(
+        word in text for word in ("support", "not ", "unknown", "invalid", "requires",
+                                  "unrecognized", "unexpected"))
 
 
 def text_tool_instructions(tools: list) -> str:

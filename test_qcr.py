@@ -1791,6 +1791,27 @@ class TestProviderQuirks(AcpTestCase):
         self.assertEqual(last["messages"][3]["content"], "[tool result]\n     1\talpha")
         self.assertTrue(text_of(updates).endswith("It says alpha."))
 
+    def test_only_the_servers_own_words_switch_to_the_text_protocol(self):
+        """llama.cpp without --jinja says so with a 500; a 400 about something else (with
+        qcr's hint about tools appended to it) must not switch anything."""
+        for status, message, switched in (
+                (500, "tools param requires --jinja flag", True),
+                (400, "the prompt is not valid", False),
+                (400, "messages: unexpected role", False)):
+            with self.subTest(message=message):
+                def model(body):
+                    if "tools" in body:
+                        return (status, {"error": {"message": message}})
+                    return scripted_reply("fine")
+                self.model = qcr.FakeModel(model)
+                agent = self.start()
+                _, updates, _ = self.prompt(agent, self.new_session(agent), "hi")
+                self.assertEqual("does not take tool definitions" in text_of(updates),
+                                 switched, text_of(updates))
+                agent.close()
+                self.model.close()
+        self.model = None
+
     def test_anthropic_messages_api(self):
         tool_use = [
             {"type": "message_start", "message": {"usage": {"input_tokens": 50}}},
