@@ -129,6 +129,28 @@ def write_private(path: str, text: str) -> None:
             os.remove(temporary)
 
 
+async def start_process(*argv: str, **options: Any) -> Any:
+    """asyncio.create_subprocess_exec, in its own process group, safe to cancel.
+
+    A cancel (session/cancel, SIGTERM) can land while the child is being started: the
+    program exists but the caller never gets its handle to stop it. The start is shielded,
+    and a child started for a caller that has gone is killed with its whole group.
+    """
+    import signal
+    starting = asyncio.ensure_future(asyncio.create_subprocess_exec(
+        *argv, start_new_session=True, **options))
+    try:
+        return await asyncio.shield(starting)
+    except asyncio.CancelledError:
+        try:
+            proc = await starting
+            os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+        except (OSError, asyncio.CancelledError):
+            pass
+        raise
+
+
 # =============================================================================================
 # 1. Wire: JSON-RPC 2.0 over newline-delimited JSON
 # =============================================================================================
@@ -3227,7 +3249,7 @@ async def run_search(request: dict) -> list:
     by cancel, which lands on the await below.
     """
     import subprocess
-    proc = await asyncio.create_subprocess_exec(
+    proc = await start_process(
         sys.executable, "-I", "-S", os.path.abspath(__file__), "--search-worker",
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
@@ -3461,9 +3483,9 @@ async def run_command(command: str, cwd: str, timeout: float,
     """
     import signal
     import subprocess
-    proc = await asyncio.create_subprocess_exec(
+    proc = await start_process(
         SHELL, "-c", command, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     head, tail, total = bytearray(), bytearray(), 0
     half = SHELL_OUTPUT_CHARS // 2
     shown_at = time.monotonic()
@@ -4759,11 +4781,10 @@ class StdioTransport:
         log_file = open(os.path.join(self.home, "qcr.log"), "ab") \
             if self.home and os.path.isdir(self.home) else None
         try:
-            self.proc = await asyncio.create_subprocess_exec(
+            self.proc = await start_process(    # its own group: stopped with its children
                 self.spec["command"], *self.spec.get("args", []), env=env,
                 cwd=self.spec.get("cwd"), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=log_file or subprocess.DEVNULL, limit=MAX_FRAME_BYTES,
-                start_new_session=True)       # its own group: stopped with its children
+                stderr=log_file or subprocess.DEVNULL, limit=MAX_FRAME_BYTES)
         except OSError as e:
             raise McpError(f"cannot start {self.spec['command']}: {e.strerror or e}") from None
         finally:

@@ -10,6 +10,7 @@ Sections follow qcr.py's numbering.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import queue
@@ -539,7 +540,8 @@ class TestSignals(AcpTestCase):
         cancels and answers the turn, saves, stops every process qcr started, exits 0."""
         for number, name in ((signal.SIGTERM, "SIGTERM"), (signal.SIGHUP, "SIGHUP")):
             with self.subTest(signal=name):
-                marker = f"{987 if number == signal.SIGTERM else 986}.5"
+                # unique to this run: CI runs several Pythons' suites side by side
+                marker = f"{987 if number == signal.SIGTERM else 986}.{os.getpid()}5"
                 self.fake_model(calls(("Shell", {"command": f"sleep {marker}1 & sleep {marker}2"})),
                                 scripted_reply("never"))
                 agent = self.start()
@@ -569,6 +571,26 @@ class TestSignals(AcpTestCase):
                 self.assertIn("Cancelled by the user.", json.dumps(saved["transcript"]))
                 self.assertClean(agent)
                 self.model.close()
+
+
+    def test_a_cancel_while_a_command_starts_leaves_nothing_behind(self):
+        """A cancel (or the signal's cancel) that lands while bash is being started, after
+        it exists but before qcr holds its handle: bash and what it began are stopped."""
+        async def cancelled_at_start(marker):
+            task = asyncio.ensure_future(qcr.run_command(
+                f"sleep {marker}1 & sleep {marker}2; wait", self.project, 30))
+            await asyncio.sleep(0)      # the start is under way: bash exists ...
+            time.sleep(0.1)             # ... and starts its children, the loop held here
+            task.cancel()
+            with self.assertRaises(asyncio.CancelledError):
+                await asyncio.wait_for(task, 5)
+        marker = f"985.{os.getpid()}"
+        asyncio.run(cancelled_at_start(marker))
+        time.sleep(0.1)
+        left = processes_with(marker)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        self.assertEqual(left, [])
 
 
 class TestBadInput(AcpTestCase):
