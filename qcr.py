@@ -795,7 +795,8 @@ class Agent:
         if method_id not in [m["id"] for m in self.auth_methods()]:
             raise RpcError.invalid_params("methodId", f"names no auth method of qcr: "
                                                       f"{method_id!r}")
-        self.config, self.searched = load_config(self.config.config_file or None), False
+        self.config = await asyncio.to_thread(load_config, self.config.config_file or None)
+        self.searched = False
         await self.ensure_model()
         return {}
 
@@ -888,25 +889,25 @@ class Agent:
         Updates for a session the client does not know yet are dropped (Zed does), so
         these are queued to run right after the response goes out.
         """
-        def send() -> None:
+        async def send() -> None:
             if session.mcp_ready is None:        # the session's MCP servers, in the background
                 session.mcp_ready = asyncio.ensure_future(self.start_mcp(session))
             if session.notice:
                 self.update(session, message_chunk("agent_message_chunk", session.notice))
                 session.notice = ""
-            self.announce_commands(session)
+            await self.announce_commands(session)
             if session.jobs:
                 self.schedule()
             if session.context_used:
                 self.update(session, usage_update(session.context_used,
                                                   context_window(self.config, session.model)))
-        asyncio.get_running_loop().call_soon(send)
+        asyncio.get_running_loop().call_soon(asyncio.ensure_future, send())
 
     async def start_mcp(self, session: Session) -> None:
         """Start the session's MCP servers together; say once which ones failed."""
         starting = []
-        for name, spec, approval in session_mcp_specs(self.config, session.cwd,
-                                                      session.mcp_servers):
+        for name, spec, approval in await asyncio.to_thread(
+                session_mcp_specs, self.config, session.cwd, session.mcp_servers):
             if approval and not await self.approve_server(session, name, spec):
                 continue
             server = session.mcp[name] = McpServer(name, spec, self.config, not approval)
@@ -967,9 +968,12 @@ class Agent:
         if servers:
             await asyncio.wait([asyncio.ensure_future(s.stop()) for s in servers], timeout=5)
 
-    def announce_commands(self, session: Session) -> None:
-        """Send available_commands_update if the set differs from what was last sent."""
-        commands = [c.available() for c in find_commands(self.config, session.cwd).values()]
+    async def announce_commands(self, session: Session) -> None:
+        """Read the command files (off the loop); send available_commands_update if the set
+        differs from what was last sent."""
+        session.command_table = await asyncio.to_thread(find_commands, self.config,
+                                                        session.cwd)
+        commands = [c.available() for c in session.command_table.values()]
         if commands != session.commands:
             session.commands = commands
             self.update(session, {"sessionUpdate": "available_commands_update",
@@ -1101,12 +1105,12 @@ class Agent:
         try:
             text, images = await prompt_content(
                 params.get("prompt"), lambda uri: self.read_link(session, uri))
+            await self.announce_commands(session)     # the command files may have changed
         except BaseException:
             session.turn = None
             raise
-        if pending.cancelled():      # cancelled while its links were being read
+        if pending.cancelled():      # cancelled while its links or commands were read
             return {"stopReason": "cancelled"}
-        self.announce_commands(session)     # the command files may have changed
         session.turn = asyncio.ensure_future(run_prompt(self, session, text, images))
         try:
             stop_reason = await session.turn
@@ -1129,7 +1133,7 @@ class Agent:
                     return context_block(uri, result["content"][:LINKED_FILE_BYTES])
             except RpcError:
                 pass
-        return read_linked_file(uri)
+        return await asyncio.to_thread(read_linked_file, uri)
 
     # -- shutdown -----------------------------------------------------------------------------
     async def shutdown(self) -> None:
@@ -1171,6 +1175,9 @@ def iso_time(seconds: float) -> str:
 
 @dataclass
 class Session:
+    """One conversation: what the model sees (`messages`), what the user saw (`transcript`,
+    replayed on load), its mode, model, roots and remembered answers. The fields above
+    `roots()` are saved; the rest lives only while this process runs."""
     id: str
     cwd: str
     mode: str = "default"
@@ -1198,6 +1205,8 @@ class Session:
     armed: bool = False               # the user acted in this process: its jobs may run
     notice: str = ""                                   # said in the thread when reopened
     commands: Optional[list] = None                    # the slash commands last announced
+    command_table: dict = field(default_factory=dict)  # name -> Command, read at each prompt
+    notes: list = field(default_factory=list)          # project instructions, read each turn
     seen: dict = field(default_factory=dict)           # path -> digest of what qcr last read
 
     def roots(self) -> list:
@@ -2515,7 +2524,7 @@ class ToolContext:
         it read, for the stale-write guard in read_for_change().
         """
         real = self.real(path)
-        on_disk = check_regular(real)      # a folder or a FIFO is refused before any open
+        on_disk = await asyncio.to_thread(check_regular, real)   # a FIFO is never opened
         text = None
         if self.agent.client_can("fs", "readTextFile") and self.inside(real):
             try:
@@ -2528,7 +2537,7 @@ class ToolContext:
                     raise ToolError(f"the editor could not read {path}: {e.message}") \
                         from None
         if text is None and on_disk:
-            text = read_text(real)
+            text = await asyncio.to_thread(read_text, real)
         if remember and text is not None:
             self.session.seen[path] = digest(text)
         return text
@@ -2560,7 +2569,7 @@ class ToolContext:
                     raise ToolError(f"the editor refused to write {path}: {e.message}; "
                                     "nothing was written") from None
                 log(f"fs/write_text_file is not there for {real}; writing to disk")
-        write_text(real, text)
+        await asyncio.to_thread(write_text, real, text)
         self.session.seen[path] = digest(text)
 
     # -- permission ---------------------------------------------------------------------------
@@ -2570,7 +2579,7 @@ class ToolContext:
         its key, else by one permission card for all of them, showing `content`."""
         unsettled = []
         for key, label in self.check(needs):
-            remembered = self.agent.ledger.lookup(self.session, key) if key else None
+            remembered = await self.agent.ledger.lookup(self.session, key) if key else None
             if remembered is False:
                 raise ToolError(DECLINED)
             if remembered is None and key not in self.cleared:
@@ -2627,7 +2636,8 @@ class ToolContext:
         allowed, _, scope = choice.partition("_")
         if scope in SCOPES:
             for key, label in needs:
-                self.agent.ledger.remember(self.session, scope, key, allowed == "allow", label)
+                await self.agent.ledger.remember(self.session, scope, key, allowed == "allow",
+                                                 label)
         return allowed == "allow"
 
     async def choose(self, content: list, options: list) -> Optional[str]:
@@ -2718,20 +2728,21 @@ class Ledger:
             edit(data)
             write_private(self.path, json.dumps(data, indent=1))
 
-    def scoped(self, session: Session) -> list:
+    async def scoped(self, session: Session) -> list:
         """(scope, key, entry) for every answer that applies to the session, nearest first."""
-        data = self.read()
+        data = await asyncio.to_thread(self.read)
         return ([("session", k, v) for k, v in session.allowed.items()] +
                 [("project", k, v) for k, v in data["projects"].get(session.cwd, {}).items()] +
                 [("global", k, v) for k, v in data["global"].items()])
 
-    def lookup(self, session: Session, key: str) -> Optional[bool]:
-        for _, found, entry in self.scoped(session):
+    async def lookup(self, session: Session, key: str) -> Optional[bool]:
+        for _, found, entry in await self.scoped(session):
             if found == key:
                 return entry["allow"]
         return None
 
-    def remember(self, session: Session, scope: str, key: str, allow: bool, label: str) -> None:
+    async def remember(self, session: Session, scope: str, key: str, allow: bool,
+                       label: str) -> None:
         entry = {"allow": allow, "label": label}
         if scope == "session":
             session.allowed[key] = entry
@@ -2740,16 +2751,16 @@ class Ledger:
             (data["global"] if scope == "global" else
              data["projects"].setdefault(session.cwd, {}))[key] = entry
         try:
-            self.change(edit)
+            await asyncio.to_thread(self.change, edit)
         except OSError as e:
             log(f"could not save {self.path}: {e}")
             session.allowed[key] = entry
 
-    def revoke(self, session: Session, scope: str, key: str) -> None:
+    async def revoke(self, session: Session, scope: str, key: str) -> None:
         if scope == "session":
             session.allowed.pop(key, None)
             return
-        self.change(lambda data: (data["global"] if scope == "global" else
+        await asyncio.to_thread(self.change, lambda data: (data["global"] if scope == "global" else
                                   data["projects"].get(session.cwd, {})).pop(key, None))
 
 
@@ -2837,25 +2848,19 @@ async def read_file(ctx: ToolContext, path: str, offset: int = 1, limit: int = R
     full = ctx.resolve(path)
     await ctx.permit([], ctx.on_path("read", full))
     offset, limit = max(1, offset), max(1, limit)
-    on_disk = check_regular(ctx.real(full))
+    real = ctx.real(full)
     try:
-        if on_disk:
-            with open(ctx.real(full), "rb") as f:
-                if b"\0" in f.read(8192):
-                    size = os.fstat(f.fileno()).st_size
-                    return ToolResult(f"{full} is a binary file ({size} bytes); not shown.",
-                                      raw={"path": full, "binary": True, "bytes": size})
-        if on_disk and os.path.getsize(full) > READ_WHOLE_BYTES:
-            with open(ctx.real(full), "rb") as f:
-                shown, total = page_lines((raw.decode("utf-8", "replace") for raw in f),
-                                          offset, limit)
+        size, binary = await asyncio.to_thread(probe_file, real)
+        if binary:
+            return ToolResult(f"{full} is a binary file ({size} bytes); not shown.",
+                              raw={"path": full, "binary": True, "bytes": size})
+        if size > READ_WHOLE_BYTES:         # paged from disk, in bounded memory
+            shown, total = await asyncio.to_thread(page_file, real, offset, limit)
         else:
             text = await ctx.read(full)
             if text is None:
                 raise ToolError(f"no such file: {full}. Use LS or Glob to find the right path.")
-            lines = text.split("\n")
-            shown, total = page_lines(lines[:-1] if text.endswith("\n") else lines,
-                                      offset, limit)
+            shown, total = await asyncio.to_thread(page_text, text, offset, limit)
     except OSError as e:
         raise ToolError(f"cannot read {full}: {e.strerror}") from None
     if total == 0:
@@ -2871,18 +2876,67 @@ async def read_file(ctx: ToolContext, path: str, offset: int = 1, limit: int = R
                       locations=[{"path": full, "line": offset}])
 
 
-def page_lines(lines: Any, offset: int, limit: int) -> tuple:
-    """Numbered lines offset..offset+limit-1 (long ones cut), and the total line count."""
-    shown, chars, total = [], 0, 0
-    for total, line in enumerate(lines, 1):
-        if total < offset or len(shown) >= limit or chars > READ_CHARS:
-            continue
-        line = line.rstrip("\r\n")
-        if len(line) > LINE_CHARS:
-            line = line[:LINE_CHARS] + " [line cut]"
-        shown.append(f"{total:6}\t{line}")
-        chars += len(line)
-    return shown, total
+def probe_file(path: str) -> tuple:
+    """(size, looks binary) of a regular file; (0, False) if there is none."""
+    if not check_regular(path):
+        return 0, False
+    with open(path, "rb") as f:
+        return os.fstat(f.fileno()).st_size, b"\0" in f.read(8192)
+
+
+def page_text(text: str, offset: int, limit: int) -> tuple:
+    """Numbered lines offset..offset+limit-1 of a text (long ones cut), and its line count."""
+    lines = text.split("\n") if text else []
+    if text.endswith("\n"):
+        lines.pop()
+    shown, chars = [], 0
+    for number in range(offset, min(offset + limit, len(lines) + 1)):
+        if chars > READ_CHARS:
+            break
+        shown.append(numbered(number, lines[number - 1], False))
+        chars += len(shown[-1])
+    return shown, len(lines)
+
+
+def page_file(path: str, offset: int, limit: int, block_size: int = 1 << 20) -> tuple:
+    """page_text for a file too large to hold (a 400 MiB log, a 512 MB line): it is read in
+    blocks, lines outside the page are only counted, and of a line on the page only its
+    first LINE_CHARS characters are kept."""
+    keep = LINE_CHARS * 4                  # bytes: LINE_CHARS characters of UTF-8 at most
+    shown, chars, number, line, cut, ended = [], 0, 1, bytearray(), False, True
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(block_size), b""):
+            ended, start = block.endswith(b"\n"), 0
+            while start < len(block):
+                if number < offset:                           # before the page: skip lines
+                    end = block.find(b"\n", start)
+                    if end < 0:
+                        break
+                    number, start = number + 1, end + 1
+                elif len(shown) >= limit or chars > READ_CHARS:   # after it: count them
+                    number += block.count(b"\n", start)
+                    break
+                else:                                          # on it: keep a line's head
+                    end = block.find(b"\n", start)
+                    piece = block[start:end if end >= 0 else len(block)]
+                    cut = cut or len(line) + len(piece) > keep
+                    line += piece[:max(keep - len(line), 0)]
+                    if end < 0:
+                        break
+                    shown.append(numbered(number, line.decode("utf-8", "replace"), cut))
+                    chars += len(shown[-1])
+                    number, start, line, cut = number + 1, end + 1, bytearray(), False
+    if line or cut:                       # a last line with no newline, on the page
+        shown.append(numbered(number, line.decode("utf-8", "replace"), cut))
+    return shown, number - (1 if ended else 0)
+
+
+def numbered(number: int, line: str, cut: bool) -> str:
+    """One line as ReadFile shows it: its number, a tab, its text (cut when long)."""
+    line = line.rstrip("\r\n")
+    if cut or len(line) > LINE_CHARS:
+        line = line[:LINE_CHARS] + " [line cut]"
+    return f"{number:6}\t{line}"
 
 
 @tool("WriteFile", "edit", {
@@ -2975,7 +3029,7 @@ async def delete_file(ctx: ToolContext, path: str):
         shown = text_content(f"Delete {full}")     # not text: a sentence instead of a diff
     await ctx.permit([shown], need)
     try:
-        os.remove(ctx.real(full))
+        await asyncio.to_thread(os.remove, ctx.real(full))
     except OSError as e:
         raise ToolError(f"cannot delete {full}: {e.strerror}") from None
     ctx.session.seen.pop(full, None)
@@ -2997,15 +3051,18 @@ async def move_file(ctx: ToolContext, source: str, destination: str):
     shown = text_content(f"Move {src} → {dst}")
     await ctx.permit([shown], ctx.on_path("delete", src), ctx.on_path("write", dst))
     try:
-        import shutil
-        real_src, real_dst = ctx.real(src), ctx.real(dst)
-        os.makedirs(os.path.dirname(real_dst), exist_ok=True)
-        shutil.move(real_src, real_dst)
+        await asyncio.to_thread(move_path, ctx.real(src), ctx.real(dst))
     except OSError as e:
         raise ToolError(f"cannot move {src}: {e.strerror or e}") from None
     ctx.session.seen.pop(src, None)
     return ToolResult(f"Moved {src} to {dst}.", [shown], {"source": src, "destination": dst},
                       [{"path": dst}])
+
+
+def move_path(source: str, destination: str) -> None:
+    import shutil
+    os.makedirs(os.path.dirname(destination), exist_ok=True)
+    shutil.move(source, destination)
 
 
 # -- Search ------------------------------------------------------------------------------------
@@ -3161,13 +3218,20 @@ async def ls(ctx: ToolContext, path: str = "."):
     full = ctx.resolve(path)
     await ctx.permit([], ctx.on_path("read", full))
     try:
-        entries = sorted(os.scandir(ctx.real(full)), key=lambda e: (not e.is_dir(), e.name))
+        lines, count = await asyncio.to_thread(list_folder, ctx.real(full))
     except FileNotFoundError:
         raise ToolError(f"no such folder: {full}") from None
     except NotADirectoryError:
         raise ToolError(f"{full} is a file; use ReadFile to read it.") from None
     except OSError as e:
         raise ToolError(f"cannot list {full}: {e.strerror}") from None
+    return ToolResult("\n".join(lines) or f"{full} is empty.",
+                      raw={"path": full, "entries": count}, locations=[{"path": full}])
+
+
+def list_folder(path: str) -> tuple:
+    """(lines for LS, how many entries): folders first, each file with its size."""
+    entries = sorted(os.scandir(path), key=lambda e: (not e.is_dir(), e.name))
     lines = []
     for entry in entries[:LIST_LIMIT]:
         try:
@@ -3177,9 +3241,7 @@ async def ls(ctx: ToolContext, path: str = "."):
             lines.append(entry.name)
     if len(entries) > LIST_LIMIT:
         lines.append(f"[{len(entries) - LIST_LIMIT} more entries not shown]")
-    return ToolResult("\n".join(lines) or f"{full} is empty.",
-                      raw={"path": full, "entries": len(entries)},
-                      locations=[{"path": full}])
+    return lines, len(entries)
 
 
 @tool("Glob", "read", {
@@ -3194,11 +3256,14 @@ async def glob(ctx: ToolContext, pattern: str, path: str = "."):
     match = glob_matcher(pattern)
     await ctx.permit([], ctx.on_path("read", root))
     real = ctx.real(root)
-    if not os.path.isdir(real):
-        raise ToolError(f"no such folder: {root}")
     roots = [real] + ctx.session.roots()
-    files = [f for f in await asyncio.to_thread(walk_files, real)
-             if match(f) and searchable(os.path.join(real, f), roots)]
+
+    def find() -> list:
+        if not os.path.isdir(real):
+            raise ToolError(f"no such folder: {root}")
+        return [f for f in walk_files(real)
+                if match(f) and searchable(os.path.join(real, f), roots)]
+    files = await asyncio.to_thread(find)
     shown = [ctx.display(os.path.join(root, f)) for f in files[:LIST_LIMIT]]
     if len(files) > LIST_LIMIT:
         shown.append(f"[{len(files) - LIST_LIMIT} more files; narrow the pattern]")
@@ -4013,21 +4078,30 @@ def system_prompt(agent: Agent, session: Session) -> str:
         parts.append("The session is in PLAN mode: it is read-only. Explore the project and "
                      "write a plan; do not try to change files or run commands. When the plan "
                      "is ready, call ExitPlanMode with it.")
+    return "\n\n".join(parts + session.notes)
+
+
+def project_notes(config: Config, cwd: str) -> list:
+    """The project's instructions (AGENTS.md and the like) and steering files: read off the
+    loop once a turn, not once a model call."""
+    notes = []
     for name in CONTEXT_FILES:
-        text = read_context_file(os.path.join(session.cwd, name))
+        text = read_context_file(os.path.join(cwd, name))
         if text:
-            parts.append(f"# {name} (project instructions)\n{text}")
-    folders = [os.path.join(session.cwd, ".qcr")] + [
-        folder for folder, _, _ in plugins(agent.config, session.cwd)]
+            notes.append(f"# {name} (project instructions)\n{text}")
+    folders = [os.path.join(cwd, ".qcr")] + [folder for folder, _, _ in plugins(config, cwd)]
     for folder in folders:
         steering = os.path.join(folder, "steering")
-        if os.path.isdir(steering):
-            for name in sorted(os.listdir(steering)):
-                if name.endswith(".md"):
-                    text = read_context_file(os.path.join(steering, name))
-                    if text:
-                        parts.append(f"# Steering: {name}\n{text}")
-    return "\n\n".join(parts)
+        try:
+            names = sorted(os.listdir(steering))
+        except OSError:
+            continue
+        for name in names:
+            text = read_context_file(os.path.join(steering, name)) \
+                if name.endswith(".md") else ""
+            if text:
+                notes.append(f"# Steering: {name}\n{text}")
+    return notes
 
 
 def read_context_file(path: str) -> str:
@@ -4092,6 +4166,7 @@ async def run_turn(agent: Agent, session: Session, text: str, shown: str = "",
     provider = make_provider(agent.config, session.model)
     reply: Optional[Reply] = None
     failures: dict = {}           # (tool, arguments, error) -> how often, this turn
+    session.notes = await asyncio.to_thread(project_notes, agent.config, session.cwd)
     try:
         await learn_context_window(agent.config, session.model)
         for _ in range(agent.config.max_turn_requests):
@@ -4648,7 +4723,7 @@ async def run_prompt(agent: Agent, session: Session, text: str, images: list = (
     if session.mcp_ready is not None and not session.mcp_ready.done():
         await asyncio.wait([session.mcp_ready], timeout=agent.config.mcp_start_timeout)
     match = re.match(r"/([A-Za-z0-9][\w.-]*)(?:\s+(.*))?\Z", text.strip(), re.S)
-    command = find_commands(agent.config, session.cwd).get(match.group(1)) if match else None
+    command = session.command_table.get(match.group(1)) if match else None
     if command is None:
         return await run_turn(agent, session, text, images=images)
     args = (match.group(2) or "").strip()
@@ -4699,17 +4774,17 @@ async def command_model(agent: Agent, session: Session, args: str, typed: str) -
 
 async def command_permissions(agent: Agent, session: Session, args: str, typed: str) -> str:
     """List the remembered answers that apply here (session, project, everywhere); revoke."""
-    remembered = agent.ledger.scoped(session)
+    remembered = await agent.ledger.scoped(session)
     words = args.split()
     if words[:1] == ["revoke"] and len(words) == 2:
         if words[1] == "all":
             for scope, key, _ in remembered:
-                agent.ledger.revoke(session, scope, key)
+                await agent.ledger.revoke(session, scope, key)
             return answer(agent, session, typed, "Revoked every remembered answer that "
                           "applied here.")
         if words[1].isdigit() and 1 <= int(words[1]) <= len(remembered):
             scope, key, entry = remembered[int(words[1]) - 1]
-            agent.ledger.revoke(session, scope, key)
+            await agent.ledger.revoke(session, scope, key)
             return answer(agent, session, typed, f"Revoked: {describe_answer(scope, entry)}.")
     if not remembered:
         return answer(agent, session, typed, "No remembered answers apply here: every change "

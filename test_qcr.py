@@ -1076,7 +1076,8 @@ class TestSharedFiles(AcpTestCase):
         def remember(writer):
             ledger = qcr.Ledger(path)        # each its own, as two qcr processes are
             for i in range(40):
-                ledger.remember(session, "project", f"key-{writer}-{i}", True, "label")
+                asyncio.run(ledger.remember(session, "project", f"key-{writer}-{i}", True,
+                                            "label"))
         threads = [threading.Thread(target=remember, args=(w,)) for w in "ab"]
         for thread in threads:
             thread.start()
