@@ -69,6 +69,7 @@ AUTH_REQUIRED = -32000             # ACP: the user must sign in first
 RESOURCE_NOT_FOUND = -32002        # ACP: e.g. an unknown session id
 
 MAX_FRAME_BYTES = 128 * 1024 * 1024    # longest accepted input line, bytes
+STREAM_BATCH = 256                     # streamed events held for the loop, at most
 SHUTDOWN_GRACE = 1.5                   # seconds a running turn gets to wind down at EOF
 SESSION_ID_RE = re.compile(r"acp-[0-9a-f]{16}-[0-9a-f]{16}")
 
@@ -1835,21 +1836,29 @@ class HttpStream:
         self.response = None
         self.aborted = False
     def start(self, queue: asyncio.Queue) -> None:
-        """Read in a thread; items reach `queue` as lists: one loop wake-up per batch."""
+        """Read in a thread; items reach `queue` as lists: one loop wake-up per batch.
+
+        The thread waits while a batch is full and the loop has not taken it, so a server
+        that floods faster than the editor reads is held back by the editor's pace (and a
+        cancel does not wait behind a backlog).
+        """
         loop = asyncio.get_running_loop()
         batch: list = []
-        lock = threading.Lock()
+        lock = threading.Condition()
 
         def deliver() -> None:
             with lock:
                 items = batch[:]
                 batch.clear()
+                lock.notify()
             queue.put_nowait(items)
 
         def put(kind: str, item: Any) -> None:
             if self.aborted:
                 return
             with lock:
+                while len(batch) >= STREAM_BATCH and not self.aborted:
+                    lock.wait(0.1)
                 batch.append((kind, item))
                 first = len(batch) == 1
             if first:       # a wake-up is due only when the batch was empty
@@ -6000,7 +6009,7 @@ async def serve(config: Config, write: Callable[[bytes], None], trace: Any) -> N
 
 def serve_acp(config: Config, trace: Optional[str]) -> int:
     """--acp: protocol frames on the real stdout; everything else is kept off it."""
-    frames = os.fdopen(os.dup(1), "wb", buffering=1 << 20)
+    frames = os.fdopen(os.dup(1), "wb", buffering=1 << 18)
     os.dup2(2, 1)                # a stray print, or a child's output, lands on stderr
     sys.stdout = sys.stderr
     loop = asyncio.new_event_loop()

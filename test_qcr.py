@@ -4421,14 +4421,21 @@ class Bench:
             self.row(f"cancel to cancelled answer, {label} (median of 5)",
                      f"{median(latencies) * 1000:.1f} ms", "< 100 ms", median(latencies) < 0.1)
 
-    def search(self):
+    def tree(self):
+        """20,000 small Python files in 1,000 folders, made once."""
         tree = os.path.join(self.tmp, "tree")
+        if os.path.isdir(tree):
+            return tree
         for i in range(20_000):
             folder = os.path.join(tree, f"pkg{i // 100}", f"mod{i // 20 % 5}")
             os.makedirs(folder, exist_ok=True)
             with open(os.path.join(folder, f"file{i}.py"), "w") as f:
                 f.write(f"import os\n\ndef function_{i}():\n    return {i}\n" +
                         ("# needle here\n" if i % 97 == 0 else ""))
+        return tree
+
+    def search(self):
+        tree = self.tree()
 
         def timed(fn, n=3):
             times = []
@@ -4461,6 +4468,143 @@ class Bench:
             self.row("Glob walk over 20,000 files in a git repository", f"{walk * 1000:.0f} ms",
                      f"<= 2 x git ls-files ({listed * 1000:.0f} ms)", walk <= 2 * listed)
 
+    def pings(self, agent, until=None, count=20):
+        """Round trips of a cheap request (an unknown method: answered on the loop at
+        once), every 5 ms until the request `until` is answered, else `count` of them."""
+        times = []
+        while True:
+            ping = agent.request("bench/ping", {})
+            start = time.perf_counter()
+            done = False
+            while True:
+                frame = agent.recv(120)
+                if frame.get("id") == until and "method" not in frame:
+                    done = True
+                if frame.get("id") == ping and "method" not in frame:
+                    times.append(time.perf_counter() - start)
+                    break
+            if done or (until is None and len(times) >= count):
+                return times
+            time.sleep(0.005)
+
+    def stall(self):
+        big = os.path.join(self.project, "big.log")
+        with open(big, "wb") as f:
+            block = b"2026-12-03 06:00:00 INFO the service answered a request in 12 ms\n" * 16384
+            for _ in range((400 << 20) // len(block)):
+                f.write(block)
+        tree = self.tree()
+        model = qcr.FakeModel(Script(calls(("ReadFile", {"path": big, "offset": 6_000_000})),
+                                     calls(("Glob", {"pattern": "**/*.py", "path": tree})),
+                                     scripted_reply("done")))
+        agent = self.agent(model)
+        session_id = self.session(agent)
+        agent.call("session/set_mode", {"sessionId": session_id, "modeId": "yolo"})
+        idle = max(self.pings(agent))
+        prompt = agent.request("session/prompt", {"sessionId": session_id,
+                                                  "prompt": [{"type": "text", "text": "go"}]})
+        busy = self.pings(agent, until=prompt)
+        agent.close()
+        model.close()
+        os.remove(big)
+        self.row("worst loop stall: requests answered during a 400 MiB ReadFile and a "
+                 "20,000-file Glob",
+                 f"{max(busy) * 1000:.1f} ms ({len(busy)} requests)",
+                 f"<= 20 ms (idle, same harness: {idle * 1000:.1f} ms)", max(busy) <= 0.02,
+                 max(busy) / 0.02)
+
+    def flood(self):
+        """A hostile model server: cancel while it floods, memory with 5,000 tool calls."""
+        endless = [sse(completion_chunk({"content": "x" * 64}))] * 400_000
+        latencies = []
+        for _ in range(3):
+            model = qcr.FakeModel(Script(endless))
+            agent = self.agent(model)
+            session_id = self.session(agent)
+            request_id = agent.request("session/prompt", {"sessionId": session_id, "prompt": [
+                {"type": "text", "text": "go"}]})
+            while agent.recv().get("params", {}).get("update", {}).get(
+                    "sessionUpdate") != "agent_message_chunk":
+                pass
+            time.sleep(0.3)                      # the flood is in full swing
+            start = time.perf_counter()
+            agent.notify("session/cancel", {"sessionId": session_id})
+            while agent.recv().get("id") != request_id:
+                pass
+            latencies.append(time.perf_counter() - start)
+            agent.close()
+            model.close()
+        self.row("cancel to cancelled answer while the model floods (median of 3)",
+                 f"{median(latencies) * 1000:.1f} ms", "< 200 ms", median(latencies) < 0.2,
+                 median(latencies) / 0.2)
+        with open(os.path.join(self.project, "a.txt"), "w") as f:
+            f.write("x\n")
+        many = [sse(completion_chunk({"tool_calls": [{
+            "index": i, "id": f"c{i}", "function": {"name": "ReadFile",
+                                                   "arguments": '{"path": "a.txt"}'}}]}))
+            for i in range(5000)] + [sse(completion_chunk(finish="tool_calls")), sse(b"[DONE]")]
+        peaks = []
+        for reply in (calls(("ReadFile", {"path": "a.txt"})), many):
+            model = qcr.FakeModel(Script(reply, scripted_reply("done")))
+            agent = self.agent(model)
+            session_id = self.session(agent)
+            agent.call("session/set_mode", {"sessionId": session_id, "modeId": "yolo"})
+            agent.call("session/prompt", {"sessionId": session_id, "prompt": [
+                {"type": "text", "text": "go"}]}, timeout=120)
+            with open(f"/proc/{agent.proc.pid}/status") as f:
+                peaks.append([int(line.split()[1]) for line in f
+                              if line.startswith("VmHWM")][0] / 1024)
+            size = os.path.getsize(os.path.join(self.home, ".qcr", "sessions",
+                                                session_id + ".json"))
+            agent.close()
+            model.close()
+        self.row("peak RSS, a reply of 5,000 tool calls (64 run, the rest cut)",
+                 f"{peaks[1]:.1f} MiB", f"<= one call's turn ({peaks[0]:.1f} MiB) + 10 MiB",
+                 peaks[1] <= peaks[0] + 10, peaks[1] / (peaks[0] + 10))
+        self.row("  its session file", f"{size / 1024:.0f} KiB", "< 1 MiB", size < 1 << 20)
+
+    def kills(self):
+        """SIGKILL at random moments of a multi-step turn: every step the client saw
+        completed is in the file, and the file loads."""
+        import random
+        with open(os.path.join(self.project, "a.txt"), "w") as f:
+            f.write("x\n")
+        model = qcr.FakeModel(Script(lambda body: [0.01] + calls(("ReadFile",
+                                                                  {"path": "a.txt"}))))
+        session_id, seen, kills, loaded = None, set(), 30, 0
+        for _ in range(kills):
+            agent = self.agent(model)
+            if session_id is None:
+                session_id = self.session(agent)
+            else:
+                agent.call("initialize", {"protocolVersion": 1})
+                response, _, _ = agent.call("session/load", {
+                    "sessionId": session_id, "cwd": self.project, "mcpServers": []})
+                loaded += "result" in response
+            agent.call("session/set_mode", {"sessionId": session_id, "modeId": "yolo"})
+            agent.request("session/prompt", {"sessionId": session_id, "prompt": [
+                {"type": "text", "text": "read on"}]})
+            time.sleep(random.uniform(0.05, 0.5))
+            agent.proc.kill()
+            agent.proc.wait()
+            while True:
+                frame = agent.frames.get(timeout=5)
+                if frame is None:
+                    break
+                update = frame.get("params", {}).get("update", {})
+                if update.get("sessionUpdate") == "tool_call_update" and \
+                        update.get("status") == "completed":
+                    seen.add(update["toolCallId"])
+        model.close()
+        saved = read_session_file(os.path.join(self.home, ".qcr", "sessions",
+                                               session_id + ".json"))
+        done = {u["toolCallId"] for u in saved["transcript"]
+                if u["sessionUpdate"] == "tool_call" and u.get("status") == "completed"}
+        lost = len(seen - done)
+        self.row(f"SIGKILLs survived in a multi-step turn ({len(seen)} steps seen completed)",
+                 f"{loaded} of {kills - 1} reloads, {lost} steps lost", "every reload, no step lost",
+                 lost == 0 and loaded == kills - 1)
+
     def save(self):
         session = qcr.Session(id="acp-" + "a" * 16 + "-" + "b" * 16, cwd=self.project)
         for i in range(500):
@@ -4485,7 +4629,8 @@ class Bench:
         sys.stdout.write(f"qcr {qcr.__version__} benchmark, Python {sys.version.split()[0]}, "
                          f"{os.cpu_count()} cores\n")
         try:
-            for part in (self.startup, self.rss, self.relay, self.cancel, self.search, self.save):
+            for part in (self.startup, self.rss, self.relay, self.cancel, self.flood,
+                         self.search, self.stall, self.kills, self.save):
                 try:
                     part()
                 except Exception as e:     # one broken measurement does not hide the others
