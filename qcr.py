@@ -927,7 +927,8 @@ class Agent:
         everything that decides what runs or where data goes -- command, arguments, env,
         folder, URL, headers -- so a change to any of it asks again."""
         key = "mcp-server:" + digest(json.dumps(spec, sort_keys=True))
-        if spec["type"] == "stdio":
+        if spec["type"] == "stdio":        # the plugin's own files are part of what runs
+            key += ":" + await asyncio.to_thread(folder_fingerprint, spec["cwd"])
             shown = "$ " + " ".join([spec["command"]] + spec["args"]) + f"\n(in {spec['cwd']})"
             shown += "".join(f"\n{k}={v}" for k, v in spec.get("env", {}).items())
             row = "execute"
@@ -2398,18 +2399,65 @@ def real_path(path: str, follow: bool = True) -> str:
     return os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
 
 
-def path_need(roots: list, effect: str, real: str) -> tuple:
-    """(POLICY row, ledger key, label) for an effect on a real path (symlinks resolved):
-    outside the roots is its own row; a change inside any .git folder is execute."""
-    if effect != "read" and ".git" in real.lower().split(os.sep):
-        return "execute", f"Git={real}", f"this change inside .git ({real})"
+def path_need(roots: list, effect: str, real: str, home: str = "") -> tuple:
+    """(POLICY row, ledger key, label) for an effect on a real path (symlinks resolved).
+
+    A change where it could make a program run is execute: in a .git or .qcr folder (hooks,
+    git configuration, plugins, commands), in the git folder a .git file names (worktrees,
+    `gitdir: .bare`), in qcr's own home (its ledger, its MCP servers). Outside the roots is
+    a row of its own -- and so is a write to a file with other names (hard links), which
+    may be anywhere, .git/config included.
+    """
+    if effect != "read":
+        guard = guarded_folder(real, roots, home)
+        if guard:
+            return "execute", f"Guarded={real}", f"this change inside {guard} ({real})"
     if not within(real, roots, resolved=True):
         folder = real if os.path.isdir(real) else os.path.dirname(real)
         words = {"read": "reading", "write": "changes", "delete": "deleting"}[effect]
         return f"{effect} outside", f"Outside:{effect}:{folder}", f"{words} in {folder}"
+    if effect == "write" and hard_linked(real):
+        return ("write outside", f"Outside:write:{real}",
+                f"changes to {real}, which has other names (hard links) that may be anywhere")
     if effect == "read":
         return "read", "", ""
     return effect, "edit", "file changes"
+
+
+def guarded_folder(real: str, roots: list, home: str) -> str:
+    """The folder that makes a change at a real path a way to run programs, or "": a .git
+    or .qcr folder, qcr's home, a git folder by another name (HEAD, objects/ and refs/ in
+    it), or the one a .git file in a folder above names (`gitdir: .bare`)."""
+    parts = real.lower().split(os.sep)
+    for name in (".git", ".qcr"):
+        if name in parts:
+            return name
+    if home and within(real, [home]):
+        return home
+    folder = os.path.dirname(real)
+    while within(folder, roots, resolved=True):
+        if all(os.path.exists(os.path.join(folder, n)) for n in ("HEAD", "objects", "refs")):
+            return folder
+        try:        # (a .git folder is covered by its name above)
+            line = (read_own_file(os.path.join(folder, ".git"), folder, 4096) or "").strip()
+        except OSError:
+            line = ""
+        if line.startswith("gitdir:"):
+            named = os.path.realpath(os.path.join(folder, line[len("gitdir:"):].strip()))
+            if within(real, [named], resolved=True):
+                return named
+        if folder == os.path.dirname(folder):
+            break
+        folder = os.path.dirname(folder)
+    return ""
+
+
+def hard_linked(real: str) -> bool:
+    try:
+        info = os.stat(real)
+    except OSError:
+        return False
+    return stat.S_ISREG(info.st_mode) and info.st_nlink > 1
 
 
 def check_args(tool_: Tool, args: Any) -> dict:
@@ -2512,7 +2560,8 @@ class ToolContext:
         Deleting or moving acts on a link itself, not on what it points to."""
         follow = effect != "delete"
         self.approved[path] = (real_path(path, follow), follow)
-        return path_need(self.session.roots(), effect, self.approved[path][0])
+        return path_need(self.session.roots(), effect, self.approved[path][0],
+                         self.agent.config.home)
 
     def real(self, path: str) -> str:
         """The real path to open now -- refused if it no longer leads where it led when the
@@ -2552,7 +2601,15 @@ class ToolContext:
         return text
 
     async def read_for_change(self, path: str) -> Optional[str]:
-        """The text of a file about to change -- refused if it changed since qcr read it."""
+        """The text of a file about to change -- refused if it changed since qcr read it.
+
+        Reading it is a read of its own, cleared first: outside the roots, the tool's own
+        answers ("old_string was not found") must not tell the model about a file the user
+        has not let it read.
+        """
+        then = self.approved.get(path, (real_path(path), True))[0]
+        await self.permit([], path_need(self.session.roots(), "read", then,
+                                        self.agent.config.home))
         seen = self.session.seen.get(path)
         text = await self.read(path, remember=False)
         if seen is not None and (text is None or digest(text) != seen):
@@ -2951,7 +3008,8 @@ def numbered(number: int, line: str, cut: bool) -> str:
 @tool("WriteFile", "edit", {
     "path": arg("string", "The file to create or replace"),
     "content": arg("string", "The whole new content of the file"),
-}, required=("path", "content"), effects=("write", "execute"), title=path_title("Write"))
+}, required=("path", "content"), effects=("read", "write", "execute"),
+    title=path_title("Write"))
 async def write_file(ctx: ToolContext, path: str, content: str):
     """Create a file, or replace a file's whole content. Parent folders are created. To change
     part of an existing file, use EditFile."""
@@ -2973,7 +3031,7 @@ async def write_file(ctx: ToolContext, path: str, content: str):
                                 "occur exactly once unless replace_all is true"),
     "new_string": arg("string", "The text to put in its place"),
     "replace_all": arg("boolean", "Replace every occurrence (default false)"),
-}, required=("path", "old_string", "new_string"), effects=("write", "execute"),
+}, required=("path", "old_string", "new_string"), effects=("read", "write", "execute"),
     title=path_title("Edit"))
 async def edit_file(ctx: ToolContext, path: str, old_string: str, new_string: str,
                     replace_all: bool = False):
@@ -3020,7 +3078,7 @@ async def edit_file(ctx: ToolContext, path: str, old_string: str, new_string: st
 
 @tool("DeleteFile", "delete", {
     "path": arg("string", "The file to delete"),
-}, required=("path",), effects=("delete", "execute"), title=path_title("Delete"))
+}, required=("path",), effects=("read", "delete", "execute"), title=path_title("Delete"))
 async def delete_file(ctx: ToolContext, path: str):
     """Delete a file (not a folder)."""
     full = ctx.resolve(path)
@@ -3048,7 +3106,7 @@ async def delete_file(ctx: ToolContext, path: str):
 @tool("MoveFile", "move", {
     "source": arg("string", "The file or folder to move"),
     "destination": arg("string", "Where it goes; must not exist yet"),
-}, required=("source", "destination"), effects=("write", "delete", "execute"),
+}, required=("source", "destination"), effects=("read", "write", "delete", "execute"),
     title=lambda args, ctx: f"Move {args.get('source')} → {args.get('destination')}")
 async def move_file(ctx: ToolContext, source: str, destination: str):
     """Move or rename a file or folder. Parent folders of the destination are created."""
@@ -3204,9 +3262,19 @@ def gitignore_rules(root: str) -> list:
     return rules
 
 
-def searchable(path: str, roots: list) -> bool:
+def searchable(path: str, roots: list, folders: Optional[dict] = None) -> bool:
     """May Grep or Glob open or list this file? A regular file, and a link only when it
-    stays inside the roots: never a device, FIFO or socket, never a way out."""
+    stays inside the roots: never a device, FIFO or socket, never a way out -- through
+    the file's folders either (a path git lists through a linked folder). `folders`
+    remembers each folder's answer for the length of one search."""
+    folder = os.path.dirname(path)
+    inside = folders.get(folder) if folders is not None else None
+    if inside is None:
+        inside = within(folder, roots)
+        if folders is not None:
+            folders[folder] = inside
+    if not inside:
+        return False
     try:
         if not stat.S_ISREG(os.lstat(path).st_mode):
             return os.path.islink(path) and within(path, roots) and os.path.isfile(path)
@@ -3270,8 +3338,9 @@ async def glob(ctx: ToolContext, pattern: str, path: str = "."):
     def find() -> list:
         if not os.path.isdir(real):
             raise ToolError(f"no such folder: {root}")
+        folders: dict = {}
         return [f for f in walk_files(real)
-                if match(f) and searchable(os.path.join(real, f), roots)]
+                if match(f) and searchable(os.path.join(real, f), roots, folders)]
     files = await asyncio.to_thread(find)
     shown = [ctx.display(os.path.join(root, f)) for f in files[:LIST_LIMIT]]
     if len(files) > LIST_LIMIT:
@@ -3359,9 +3428,9 @@ def search_files(root: str, rx: re.Pattern, pattern: Optional[str], limit: int,
     else:
         match = glob_matcher(pattern) if pattern else None
         paths = [os.path.join(root, f) for f in walk_files(root) if not match or match(f)]
-    hits = []
+    hits, folders = [], {}
     for path in paths:
-        if not searchable(path, roots):
+        if not searchable(path, roots, folders):
             continue
         try:
             if os.path.getsize(path) > SEARCH_FILE_BYTES:
@@ -3394,35 +3463,77 @@ WRAPPERS = {   # programs that run another program (or code) given in their argu
     "awk", "gawk", "mawk", "nawk", "busybox", "fakeroot", "systemd-run", "dbus-run-session",
     "ssh", "tmux", "screen", "expect", "gdb", "valgrind", "perf", "taskset", "chrt", "unshare",
     "nsenter", "firejail", "bwrap", "npx", "pnpx", "bunx", "uvx", "pipx", "dotnet"}
-CODE_FLAGS = {  # interpreters, and the flags that hand them code on the command line
+CODE_FLAGS = {  # the flags that hand a program code, or a program to run, on its command line
     "bash": ("-c",), "sh": ("-c",), "zsh": ("-c",), "dash": ("-c",), "ksh": ("-c",),
     "fish": ("-c",), "python": ("-c",), "python2": ("-c",), "python3": ("-c",),
     "pypy": ("-c",), "pypy3": ("-c",), "node": ("-e", "-p", "--eval", "--print"),
     "deno": ("eval",), "bun": ("-e", "--eval", "-p", "--print"), "perl": ("-e", "-E"),
     "ruby": ("-e",), "php": ("-r",), "lua": ("-e",), "Rscript": ("-e",), "osascript": ("-e",),
-    "pwsh": ("-c", "-Command"), "tclsh": (), "git": ("-c", "--config-env"),
-    "make": ("--eval", "-E"), "vim": ("-c", "+"), "nvim": ("-c", "+"), "emacs": ("--eval",)}
+    "pwsh": ("-c", "-Command"), "tclsh": (),
+    "git": ("-c", "--config-env", "-C", "--git-dir", "--work-tree", "--exec-path",
+            "--namespace", "-x", "--exec", "--extcmd", "--upload-pack", "--receive-pack",
+            "foreach"),
+    "make": ("--eval", "-E"), "vim": ("-c", "+"), "nvim": ("-c", "+"), "emacs": ("--eval",),
+    "tar": ("--checkpoint-action", "--to-command", "--use-compress-program", "-I",
+            "--info-script", "-F", "--new-volume-script", "--rsh-command", "--rmt-command"),
+    "rsync": ("-e", "--rsh", "--rsync-path"), "zip": ("-TT", "--unzip-command"),
+    "man": ("-P", "--pager", "-H", "--html"), "npm": ("--script-shell",),
+    "pytest": ("-p",), "less": ("--lesskey-src",)}
+SUBCOMMANDS = {   # programs whose "always" covers one subcommand (`git status`), not all
+    "git", "npm", "pnpm", "yarn", "bun", "deno", "cargo", "go", "docker", "podman", "kubectl",
+    "helm", "pip", "pip3", "uv", "poetry", "gh", "brew", "apt", "apt-get", "dnf", "conda",
+    "mvn", "gradle", "rustup", "terraform", "make", "bash", "sh", "zsh", "dash", "ksh", "fish",
+    "python", "python2", "python3", "pypy", "pypy3", "node", "perl", "ruby", "php", "lua",
+    "Rscript", "pwsh", "tclsh"}
 
 
 def shell_scope(command: str) -> tuple:
     """What an "always" answer covers, and its label.
 
     A plain command ("pytest -q tests") generalises to every plain command with the same
-    first word -- only when bash would split it exactly as qcr does: printable ASCII with
-    nothing bash reads as syntax (;, &&, |, $(), >, globs, tabs, non-ASCII spaces ...), a
-    first word that is a program name (not a path, not an assignment), and neither a
-    wrapper that runs another program (env, xargs, sudo, time ...) nor an interpreter given
-    code (python3 -c, node -e, bash -c). Anything else stays this exact command, so an
-    approval of `printf a` never carries `printf b; rm -rf ~` along with it.
+    program -- and, for programs of many subcommands or scripts, the same subcommand or
+    script (`git status`, `npm test`, `python3 -m pytest`) -- only when bash would split it
+    exactly as qcr does: printable ASCII with nothing bash reads as syntax (;, &&, |, $(),
+    >, globs, tabs, non-ASCII spaces ...), a first word that is a plain program name (not
+    a path, not an assignment, not quoted), not a wrapper that runs another program (env,
+    xargs, sudo, time ...), and no flag that hands the program code or a program to run
+    (python3 -c, git -c, tar --to-command), however it is quoted or joined (`"-c"`,
+    `-cCODE`, `-xc`). Anything else stays this exact command, so an approval of `printf a`
+    never carries `printf b; rm -rf ~` along with it.
     """
-    words = command.split(" ")
+    import shlex
+    exact = ("Shell=" + command.strip(), "this exact command")
+    try:
+        words = shlex.split(command) if SCOPE_LINE.fullmatch(command) else []
+    except ValueError:
+        return exact
     first = words[0] if words else ""
-    flags = CODE_FLAGS.get(first, ())
-    if SCOPE_LINE.fullmatch(command) and SCOPE_WORD.fullmatch(first) and \
-            first not in WRAPPERS and not any(w in flags or any(
-                w.startswith(f) for f in flags if f.startswith("--")) for w in words[1:]):
-        return "Shell:" + first, f"`{first}` commands"
-    return "Shell=" + command.strip(), "this exact command"
+    if not SCOPE_WORD.fullmatch(first) or command.split(" ")[0] != first or \
+            first in WRAPPERS or any(hands_code(w, CODE_FLAGS.get(first, ()))
+                                     for w in words[1:]):
+        return exact
+    scope = [first]
+    if first in SUBCOMMANDS:
+        for word in words[1:]:
+            scope.append(word)
+            if not word.startswith("-"):
+                break
+    named = " ".join(scope)
+    return "Shell:" + named, f"`{named}` commands"
+
+
+def hands_code(word: str, flags: tuple) -> bool:
+    """Is this word one of the flags, in any of the forms a program reads it?"""
+    for flag in flags:
+        if word == flag or word.startswith(flag + "="):
+            return True
+        if flag.startswith("-") and not flag.startswith("--") and word.startswith("-") and \
+                not word.startswith("--") and (flag[1:] in word[1:] if len(flag) == 2
+                                               else word.startswith(flag)):
+            return True
+        if flag == "+" and word.startswith("+"):
+            return True
+    return False
 
 
 def printable(text: str) -> str:
@@ -4095,7 +4206,7 @@ def project_notes(config: Config, cwd: str) -> list:
     loop once a turn, not once a model call."""
     notes = []
     for name in CONTEXT_FILES:
-        text = read_context_file(os.path.join(cwd, name))
+        text = read_context_file(os.path.join(cwd, name), cwd)
         if text:
             notes.append(f"# {name} (project instructions)\n{text}")
     folders = [os.path.join(cwd, ".qcr")] + [folder for folder, _, _ in plugins(config, cwd)]
@@ -4106,18 +4217,18 @@ def project_notes(config: Config, cwd: str) -> list:
         except OSError:
             continue
         for name in names:
-            text = read_context_file(os.path.join(steering, name)) \
+            text = read_context_file(os.path.join(steering, name), cwd) \
                 if name.endswith(".md") else ""
             if text:
                 notes.append(f"# Steering: {name}\n{text}")
     return notes
 
 
-def read_context_file(path: str) -> str:
+def read_context_file(path: str, project: str) -> str:
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read(CONTEXT_FILE_CHARS).strip()
-    except OSError:
+        return (read_own_file(path, project, CONTEXT_FILE_CHARS) or "").strip()
+    except OSError as e:
+        log(f"not reading {path}: {e}")
         return ""
 
 
@@ -4702,15 +4813,15 @@ def find_commands(config: Config, cwd: str) -> dict:
             stem = name[:-3]
             if name.endswith(".md") and re.fullmatch(r"[A-Za-z0-9][\w.-]*", stem) and \
                     stem not in BUILTIN_NAMES:
-                command = read_command(os.path.join(folder, name), stem)
+                command = read_command(os.path.join(folder, name), stem, cwd)
                 if command:
                     commands[stem] = command
     return commands
 
 
-def read_command(path: str, name: str) -> Optional[Command]:
+def read_command(path: str, name: str, project: str) -> Optional[Command]:
     """A prompt template; its description from front matter or its first line."""
-    text = read_context_file(path)
+    text = read_context_file(path, project)
     if not text:
         return None
     fields = {}
@@ -4953,7 +5064,8 @@ class HttpTransport:
             headers["MCP-Protocol-Version"] = self.version
         try:
             with open_url(self.spec["url"], json.dumps(message).encode(), headers,
-                          self.spec.get("headers"), MCP_HTTP_TIMEOUT, method="POST") as response:
+                          self.spec.get("headers"), MCP_HTTP_TIMEOUT, redirects=0,
+                          method="POST") as response:     # (the URL the user cleared)
                 self.session_id = response.headers.get("Mcp-Session-Id") or self.session_id
                 if "id" not in message or response.status == 202:
                     return None
@@ -5012,7 +5124,8 @@ class SseTransport:
         def read() -> None:
             try:
                 self.stream = open_url(self.spec["url"], None, {"Accept": "text/event-stream"},
-                                       self.spec.get("headers"), None)   # idle is fine
+                                       self.spec.get("headers"), None,   # idle is fine
+                                       redirects=0)
                 event = ""
                 data: list = []
                 for raw in bounded_lines(self.stream):
@@ -5023,8 +5136,11 @@ class SseTransport:
                         data.append(line[5:].lstrip())
                     elif not line and data:
                         text, data = "\n".join(data), []
-                        if event == "endpoint":
-                            endpoint = urljoin(self.spec["url"], text)
+                        if event == "endpoint":     # where messages go: the same origin
+                            endpoint = urljoin(self.spec["url"], text)    # only, as cleared
+                            if origin_of(endpoint) != origin_of(self.spec["url"]):
+                                raise McpError(f"the server named an endpoint on another "
+                                               f"origin ({origin_of(endpoint)}); refused")
                             loop.call_soon_threadsafe(
                                 lambda: ready.done() or ready.set_result(endpoint))
                         else:
@@ -5062,9 +5178,8 @@ class SseTransport:
 
     def send(self, message: dict) -> None:
         with open_url(self.endpoint, json.dumps(message).encode(),
-                      {"Content-Type": "application/json"}, self.spec.get("headers")
-                      if origin_of(self.endpoint) == origin_of(self.spec["url"]) else None,
-                      MCP_HTTP_TIMEOUT, method="POST"):
+                      {"Content-Type": "application/json"}, self.spec.get("headers"),
+                      MCP_HTTP_TIMEOUT, redirects=0, method="POST"):
             pass
 
     async def request(self, method: str, params: dict) -> Any:
@@ -5308,10 +5423,28 @@ def plugins(config: Config, cwd: str) -> list:
             continue
         for name in names:
             folder = os.path.join(root, name)
-            data = read_config_file(Config(), os.path.join(folder, "plugin.json"), False)
+            data = read_config_file(Config(), os.path.join(folder, "plugin.json"), False, cwd)
             if data or os.path.isdir(os.path.join(folder, "commands")):
                 found.append((folder, data, project))
     return found
+
+
+def folder_fingerprint(folder: str, most: int = 5000) -> str:
+    """A digest of a plugin folder's files -- names, sizes, modification times -- so that an
+    approval of its server lapses when its code changes (an edit, a git pull)."""
+    seen = []
+    for top, dirs, files in os.walk(folder):
+        dirs.sort()
+        for name in sorted(files):
+            try:
+                info = os.lstat(os.path.join(top, name))
+            except OSError:
+                continue
+            seen.append(f"{os.path.relpath(os.path.join(top, name), folder)}"
+                        f":{info.st_size}:{info.st_mtime_ns}")
+            if len(seen) > most:
+                return "too-many-files:" + digest(str(time.time()))   # asks every time
+    return digest("\n".join(seen))
 
 
 def session_mcp_specs(config: Config, cwd: str, from_client: list) -> list:
@@ -5454,14 +5587,14 @@ def load_config(path: Optional[str] = None, env: Optional[dict] = None) -> Confi
     return config
 
 
-def read_config_file(config: Config, path: str, required: bool) -> dict:
+def read_config_file(config: Config, path: str, required: bool, project: str = "") -> dict:
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        if required:
-            config.problems.append(f"config file {path} does not exist")
-        return {}
+        text = read_own_file(path, project, MAX_CONFIG_CHARS)
+        if text is None:
+            if required:
+                config.problems.append(f"config file {path} does not exist")
+            return {}
+        data = loads(text)
     except (OSError, ValueError) as e:
         config.problems.append(f"config file {path} could not be read: {e}")
         return {}
@@ -5469,6 +5602,33 @@ def read_config_file(config: Config, path: str, required: bool) -> dict:
         config.problems.append(f"config file {path} must hold a JSON object")
         return {}
     return data
+
+
+MAX_CONFIG_CHARS = 1 << 20
+
+
+def read_own_file(path: str, project: str = "", limit: int = -1) -> Optional[str]:
+    """A file qcr reads for itself -- instructions, commands, settings: None if there is none.
+
+    A file in the project (a repository's, so not to be trusted) is read only if it is a
+    regular file, opened without blocking (a FIFO or a device planted there never hangs
+    qcr), and only if its real path stays in the project: a link from AGENTS.md to
+    ~/.ssh/id_rsa or /proc/self/environ is not followed. The user's own files (~/.qcr,
+    --config) are read as they are. OSError says why a file was not read.
+    """
+    real = os.path.realpath(path)
+    theirs = bool(project) and os.path.abspath(path).startswith(
+        os.path.abspath(project).rstrip(os.sep) + os.sep)
+    if theirs and not within(real, [project], resolved=True):
+        raise OSError(f"it leads out of the project, to {real}")
+    try:
+        fd = os.open(real, os.O_RDONLY | (getattr(os, "O_NONBLOCK", 0) if theirs else 0))
+    except FileNotFoundError:
+        return None
+    with open(fd, "rb") as f:
+        if theirs and not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError("it is not a regular file")
+        return f.read(limit).decode("utf-8", "replace")
 
 
 def apply_config(config: Config, data: dict, source: str) -> None:

@@ -2622,9 +2622,20 @@ class TestHostileModel(AcpTestCase):
         exact = "this exact command"
         for command, label in (
                 ("pytest -q tests", "`pytest` commands"),
-                ("make test", "`make` commands"),
-                ("git status --short", "`git` commands"),
-                ("python3 setup.py test", "`python3` commands"),
+                ("make test", "`make test` commands"),
+                ("git status --short", "`git status` commands"),
+                ("git config user.name x", "`git config` commands"),
+                ("python3 setup.py test", "`python3 setup.py` commands"),
+                ("python3 -m pytest -q", "`python3 -m pytest` commands"),
+                ("npm test", "`npm test` commands"), ("ls -la", "`ls` commands"),
+                ('git "-c" "core.sshCommand=touch x" ls-remote', exact),
+                ("git '-c' 'core.fsmonitor=touch x' status", exact),
+                ('python3 "-c" x', exact), ('perl -esystem"touch x"', exact),
+                ("bash -xc ls", exact), ("node -pe 1", exact), ("git -C /tmp status", exact),
+                ("git --git-dir=evil status", exact), ("git --exec-path=. x", exact),
+                ('tar "--checkpoint-action=exec=touch p" -cf a.tar .', exact),
+                ("rsync -avze ssh a b", exact), ('"git" status', exact),
+                ("git submodule foreach x", exact), ("git rebase -x x", exact),
                 ("ls\u00a0-la", exact), ("ls\u2003x", exact), ("ls\tx", exact),
                 ("ls x\x1b[2K", exact), ("ls é", exact), ("echo a; rm -rf ~", exact),
                 ("./run.sh", exact), ("/usr/bin/env ls", exact), ("FOO=1 make", exact),
@@ -2693,6 +2704,123 @@ class TestHostileModel(AcpTestCase):
         self.assertIn("deleting in", requests[2]["params"]["options"][1]["name"])
         with open(os.path.join(self.outside, "notes.txt")) as f:
             self.assertEqual(f.read(), "secret\n")
+
+    def test_files_qcr_reads_for_itself_stay_in_the_project(self):
+        """AGENTS.md, steering and command files that a repository links out of the project
+        (a key, qcr's own environment) or plants as a FIFO or /dev/stdin: none is read, and
+        nothing hangs, in any mode."""
+        secret = self.outside_file("id_rsa", "PRIVATE-KEY-42\n")
+        os.symlink(secret, os.path.join(self.project, "AGENTS.md"))
+        os.mkfifo(os.path.join(self.project, "CLAUDE.md"))
+        os.makedirs(os.path.join(self.project, ".qcr", "steering"))
+        os.makedirs(os.path.join(self.project, ".qcr", "commands"))
+        os.symlink("/proc/self/environ", os.path.join(self.project, ".qcr", "steering", "e.md"))
+        os.symlink(secret, os.path.join(self.project, ".qcr", "commands", "key.md"))
+        os.symlink("/dev/stdin", os.path.join(self.project, ".qcr", "commands", "in.md"))
+        self.write(".qcr/commands/fine.md", "# A fine command\nDo it.\n")
+        self.fake_model(scripted_reply("ok"))
+        agent = self.start(env={"QCR_TEST_SECRET": "ENV-SECRET-43"})
+        session_id = self.new_session(agent)
+        names = [c["name"] for c in self.commands["availableCommands"]]
+        self.assertIn("fine", names)
+        self.assertNotIn("key", names)
+        self.assertNotIn("in", names)
+        response, _, requests = self.prompt(agent, session_id, "hello", timeout=10)
+        self.assertResult(response, {"stopReason": "end_turn"})
+        self.assertEqual(requests, [])
+        sent = json.dumps(self.model.requests)
+        self.assertNotIn("PRIVATE-KEY-42", sent)
+        self.assertNotIn("ENV-SECRET-43", sent)
+        self.assertResult(agent.call("session/list", {})[0])
+        self.assertClean(agent)
+
+    def test_changes_that_could_run_programs_ask_even_in_auto_edit(self):
+        """A plugin's server code, the git folder a .git file names, qcr's own ledger (the
+        project is HOME), a file hard-linked to .git/config: each change asks."""
+        subprocess.run(["git", "init", "-q", self.project], check=True)
+        os.link(os.path.join(self.project, ".git", "config"),
+                os.path.join(self.project, "cfg.txt"))
+        worktree = os.path.join(self.project, "wt")
+        self.write("wt/.git", "gitdir: ./.bare\n")
+        self.write("wt/.bare/HEAD", "ref: refs/heads/main\n")
+        targets = [".qcr/plugins/p/server.py", "wt/.bare/hooks/pre-commit", "cfg.txt",
+                   os.path.join(self.home, ".qcr", "permissions.json")]
+        self.fake_model(*[calls(("WriteFile", {"path": t, "content": "[core]\nfsmonitor = x\n"}))
+                          for t in targets], scripted_reply("ok"))
+        agent = self.start()
+        session_id = self.new_session(agent)
+        agent.call("session/set_mode", {"sessionId": session_id, "modeId": "auto-edit"})
+        agent.call("session/set_config_option", {"sessionId": session_id,
+                                                 "configId": "mode", "value": "auto-edit"})
+        response, _, requests = self.prompt(agent, session_id, "go", answer=REJECT)
+        self.assertEqual(len(requests), len(targets), [r["params"]["toolCall"]["title"]
+                                                       for r in requests])
+        self.assertFalse(os.path.exists(os.path.join(self.project, ".qcr", "plugins")))
+        self.assertFalse(os.path.exists(os.path.join(worktree, ".bare", "hooks")))
+        with open(os.path.join(self.project, ".git", "config")) as f:
+            self.assertNotIn("fsmonitor", f.read())
+        self.assertIn("other names (hard links)", json.dumps(requests[2]))
+
+    def test_home_as_the_project_keeps_qcrs_own_files_guarded(self):
+        self.fake_model(calls(("WriteFile", {"path": ".qcr/permissions.json", "content":
+                                             '{"global": {}}'})), scripted_reply("ok"))
+        agent = self.start()
+        session_id = self.new_session(agent, cwd=self.home)
+        agent.call("session/set_mode", {"sessionId": session_id, "modeId": "auto-edit"})
+        _, _, requests = self.prompt(agent, session_id, "go", answer=REJECT)
+        self.assertEqual(len(requests), 1)
+        self.assertIn(".qcr", requests[0]["params"]["options"][1]["name"])
+
+    def test_a_quoted_flag_does_not_stretch_an_approved_scope(self):
+        subprocess.run(["git", "init", "-q", self.project], check=True)
+        self.fake_model(calls(("Shell", {"command": "git status"})),
+                        calls(("Shell", {"command": 'git "-c" "core.fsmonitor=touch pwned" '
+                                                    "status"})),
+                        calls(("Shell", {"command": "git config core.fsmonitor 'touch pwned'"})),
+                        scripted_reply("ok"))
+        agent = self.start()
+        answers = iter([ALLOW_ALWAYS, REJECT, REJECT])
+        _, _, requests = self.prompt(agent, self.new_session(agent), "go",
+                                     answer=lambda frame: next(answers))
+        self.assertEqual(len(requests), 3)
+        self.assertIn("`git status` commands", json.dumps(requests[0]["params"]["options"]))
+        self.assertFalse(os.path.exists(os.path.join(self.project, "pwned")))
+
+    def test_an_edit_outside_is_no_oracle_for_an_unread_file(self):
+        """EditFile's "not found" would say what an outside file holds: the read is cleared
+        first -- refused in plan mode, asked for in default -- before any matching."""
+        self.outside_file("token", "token=K\n")
+        for mode, answer, asked in (("plan", ALLOW, 0), ("default", REJECT, 1)):
+            with self.subTest(mode=mode):
+                self.fake_model(*[calls(("EditFile", {"path": "../outside/token",
+                                                      "old_string": guess, "new_string": "x"}))
+                                  for guess in ("token=Z", "token=K")], scripted_reply("ok"))
+                agent = self.start()
+                session_id = self.new_session(agent)
+                agent.call("session/set_mode", {"sessionId": session_id, "modeId": mode})
+                _, _, requests = self.prompt(agent, session_id, "go", answer=answer)
+                self.assertEqual(len(requests), 2 * asked)
+                first, second = self.tool_messages(1)[0], self.tool_messages(2)[-1]
+                self.assertNotIn("not found", first)
+                self.assertEqual(first.split(":")[0], second.split(":")[0])
+                self.model.close()
+
+    def test_search_does_not_pass_through_a_linked_folder(self):
+        """A path that git lists through a folder linked out of the project (a crafted
+        index): Grep and Glob leave it alone."""
+        self.outside_file("secret.txt", "TOPSECRET-IDX\n")
+        subprocess.run(["git", "init", "-q", self.project], check=True)
+        os.symlink(self.outside, os.path.join(self.project, "link"))
+        blob = subprocess.run(["git", "-C", self.project, "hash-object", "-w", "--stdin"],
+                              input=b"x\n", capture_output=True, check=True).stdout.decode()
+        subprocess.run(["git", "-C", self.project, "update-index", "--add", "--cacheinfo",
+                        f"100644,{blob.strip()},link/secret.txt"], check=True)
+        self.fake_model(calls(("Grep", {"pattern": "TOPSECRET"})),
+                        calls(("Glob", {"pattern": "**/secret.txt"})), scripted_reply("ok"))
+        agent = self.start()
+        self.prompt(agent, self.new_session(agent), "go")
+        self.assertNotIn("TOPSECRET-IDX", self.tool_messages(1)[0])
+        self.assertNotIn("link/secret.txt", self.tool_messages(2)[-1])
 
     def test_grep_and_glob_never_follow_links_out_or_open_special_files(self):
         self.outside_file("secret.txt", "TOPSECRET\n")
@@ -3570,6 +3698,7 @@ class FakeMcpHttp:
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
         fake, self.server_logic, self.session_ids = self, FakeMcp(), []
         self.sse_queue = queue.Queue()
+        self.endpoint = b"/messages?session=1"     # where the SSE transport is told to post
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -3585,7 +3714,7 @@ class FakeMcpHttp:
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.end_headers()
-                self.wfile.write(b"event: endpoint\ndata: /messages?session=1\n\n")
+                self.wfile.write(b"event: endpoint\ndata: " + fake.endpoint + b"\n\n")
                 self.wfile.flush()
                 while True:
                     message = fake.sse_queue.get()
@@ -3732,6 +3861,20 @@ class TestMcp(AcpTestCase):
         self.assertEqual(self.tool_messages(1), ["echo: over http", "echo: over sse"])
         self.assertIn("session-42", remote.session_ids)         # Mcp-Session-Id kept
 
+    def test_an_sse_server_cannot_send_qcr_to_another_origin(self):
+        remote, elsewhere = FakeMcpHttp(), FakeMcpHttp()
+        self.addCleanup(remote.close)
+        self.addCleanup(elsewhere.close)
+        remote.endpoint = (elsewhere.url + "/messages?session=1").encode()
+        self.fake_model(scripted_reply("ok"))
+        agent = self.start()
+        session_id = self.mcp_session(agent, [
+            {"type": "sse", "name": "old", "url": remote.url + "/sse", "headers": [
+                {"name": "Authorization", "value": "Bearer t"}]}])
+        _, updates, _ = self.prompt(agent, session_id, "go")
+        self.assertIn("named an endpoint on another origin", text_of(updates))
+        self.assertEqual(elsewhere.session_ids, [])          # not one message went there
+
     def test_failures_to_start_are_told_once_and_the_session_works(self):
         self.fake_model(scripted_reply("fine"))
         agent = self.start()
@@ -3799,6 +3942,13 @@ class TestMcp(AcpTestCase):
         self.prompt(agent, response["result"]["sessionId"], "again", answer=approve)
         self.assertEqual(asked, [])
         self.assertIn("mcp__localsrv__echo", self.offered(-1))
+        agent.close()
+        self.write(".qcr/plugins/local/server.py", "# its code, changed by a git pull\n")
+        agent = self.start()                                 # what runs changed: asked again
+        agent.call("initialize", {"protocolVersion": 1})
+        response, _, _ = agent.call("session/new", {"cwd": self.project, "mcpServers": []})
+        self.prompt(agent, response["result"]["sessionId"], "and again", answer=approve)
+        self.assertEqual(len(asked), 1)
 
     def test_a_project_plugin_server_of_any_transport_asks_and_a_change_asks_again(self):
         http = FakeMcpHttp()
