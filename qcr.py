@@ -130,26 +130,47 @@ def write_private(path: str, text: str) -> None:
             os.remove(temporary)
 
 
+CHILD_GROUPS: set = set()      # process groups qcr started and has not stopped yet
+
+
 async def start_process(*argv: str, **options: Any) -> Any:
     """asyncio.create_subprocess_exec, in its own process group, safe to cancel.
 
     A cancel (session/cancel, SIGTERM) can land while the child is being started: the
     program exists but the caller never gets its handle to stop it. The start is shielded,
-    and a child started for a caller that has gone is killed with its whole group.
+    and a child started for a caller that has gone is killed with its whole group. Every
+    group is kept in CHILD_GROUPS until stop_group(), so that however qcr ends -- its own
+    loop crashing included -- stop_children() leaves nothing it started behind.
     """
-    import signal
     starting = asyncio.ensure_future(asyncio.create_subprocess_exec(
         *argv, start_new_session=True, **options))
     try:
-        return await asyncio.shield(starting)
+        proc = await asyncio.shield(starting)
+        CHILD_GROUPS.add(proc.pid)
+        return proc
     except asyncio.CancelledError:
         try:
             proc = await starting
-            os.killpg(proc.pid, signal.SIGKILL)
+            stop_group(proc.pid)
             await proc.wait()
         except (OSError, asyncio.CancelledError):
             pass
         raise
+
+
+def stop_group(pid: int) -> None:
+    """Kill a process group qcr started: the program and everything it started."""
+    import signal
+    CHILD_GROUPS.discard(pid)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def stop_children() -> None:
+    for pid in list(CHILD_GROUPS):
+        stop_group(pid)
 
 
 # =============================================================================================
@@ -209,6 +230,37 @@ class NumberTooLarge(ValueError):
     """A JSON number beyond a double (1e999): it would come back out as Infinity."""
 
 
+class TooDeep(ValueError):
+    """JSON nested deeper than Python's parser goes: valid, but not taken."""
+
+
+def top_level(text: str) -> dict:
+    """The plain values (id, method) of a JSON object too deep to parse, found by a scan
+    that skips everything below the top level -- so that such a request still gets its
+    answer (-32602) under its own id."""
+    found, depth, key, start = {}, 0, None, None
+    for token in re.finditer(r'"(?:[^"\\]|\\.)*"|[{}\[\],:]', text):
+        mark = token.group(0)
+        if mark in "{[":
+            if depth == 1:
+                key = None              # a compound value: not one of the plain ones
+            depth += 1
+        elif mark in "}]" or mark == ",":
+            if depth == 1:
+                if key is not None and start is not None:
+                    try:
+                        found[key] = json.loads(text[start:token.start()])
+                    except ValueError:
+                        pass
+                key = start = None
+            depth -= mark in "}]"
+        elif mark == ":" and depth == 1:
+            start = token.end()
+        elif depth == 1 and start is None:
+            key = loads(mark) if mark.startswith('"') else None
+    return found
+
+
 def loads(data: Any) -> Any:
     """Strict JSON: NaN and Infinity are not JSON, and a peer may reject a frame holding
     them -- nor is a number too large for a double, which would turn into Infinity."""
@@ -223,7 +275,7 @@ def loads(data: Any) -> Any:
     try:
         return json.loads(data, parse_constant=reject, parse_float=number)
     except RecursionError:
-        raise ValueError("the JSON is nested too deeply") from None
+        raise TooDeep("the JSON is nested too deeply") from None
 
 
 LONE_SURROGATE = re.compile(r"\\ud[89ab][0-9a-f]{2}(?!\\ud[c-f])|"
@@ -341,6 +393,13 @@ class Connection:
                 if "id" in message:
                     self.reply(message.get("id"), error=RpcError.invalid_params("params", str(e)))
                 return
+            self.bad_frames += 1
+            return self.reply(None, error=RpcError.parse_error(str(e)))
+        except TooDeep as e:       # valid JSON: a request's params are what is wrong
+            fields = top_level(line.decode("utf-8", "replace"))
+            if isinstance(fields.get("method"), str) and valid_id(fields.get("id")) and \
+                    fields.get("id") is not None:
+                return self.reply(fields["id"], error=RpcError.invalid_params("params", str(e)))
             self.bad_frames += 1
             return self.reply(None, error=RpcError.parse_error(str(e)))
         except (ValueError, RecursionError) as e:   # includes invalid UTF-8
@@ -3402,8 +3461,7 @@ async def run_search(request: dict) -> list:
         raise ToolError(f"the search ran over {SEARCH_TIMEOUT}s and was stopped; search a "
                         "smaller path or use a simpler pattern") from None
     finally:
-        if proc.returncode is None:
-            proc.kill()
+        stop_group(proc.pid)
     try:
         return [tuple(hit) for hit in loads(out)["hits"]]
     except (ValueError, KeyError, TypeError):
@@ -3666,7 +3724,6 @@ async def run_command(command: str, cwd: str, timeout: float,
     The whole group is killed when the command times out, when the turn is cancelled, and
     when the command exits but leaves background children holding the output pipe.
     """
-    import signal
     import subprocess
     proc = await start_process(
         SHELL, "-c", command, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
@@ -3705,10 +3762,7 @@ async def run_command(command: str, cwd: str, timeout: float,
         except asyncio.TimeoutError:
             timed_out = True
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except OSError:
-            pass
+        stop_group(proc.pid)
         reader.cancel()
         if proc.returncode is None:
             await asyncio.wait([asyncio.ensure_future(exited())], timeout=2.0)
@@ -5013,7 +5067,6 @@ class StdioTransport:
     async def close(self) -> None:
         """The MCP SDK's order: close stdin, wait a moment, terminate, wait, kill -- the
         whole process group at the end, so the server's own children go too."""
-        import signal
         proc = self.proc
         if proc is None:
             return
@@ -5033,10 +5086,7 @@ class StdioTransport:
                     break
                 except asyncio.TimeoutError:
                     continue
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except OSError:
-            pass
+        stop_group(proc.pid)
 
 
 class HttpTransport:
@@ -6163,8 +6213,13 @@ async def serve(config: Config, write: Callable[[bytes], None], trace: Any) -> N
                                                           reader.feed_eof)
         except (AttributeError, NotImplementedError, RuntimeError):
             pass        # no such signal here (Windows)
-    await agent.conn.serve(reader)
-    await agent.shutdown()
+    try:
+        await agent.conn.serve(reader)
+    finally:                  # (a crash of the loop itself included)
+        try:
+            await agent.shutdown()
+        finally:
+            stop_children()
 
 
 def serve_acp(config: Config, trace: Optional[str]) -> int:

@@ -573,6 +573,28 @@ class TestSignals(AcpTestCase):
                 self.model.close()
 
 
+    def test_whatever_ends_qcr_its_children_are_stopped(self):
+        """The last resort for any way out of the loop (a crash of its own included):
+        every process group qcr started and has not stopped is stopped."""
+        marker = f"982.{os.getpid()}"
+
+        async def crash():
+            task = asyncio.ensure_future(qcr.run_command(
+                f"sleep {marker}1 & sleep {marker}2; wait", self.project, 30))
+            deadline = time.monotonic() + 10
+            while len(processes_with(marker)) < 2:
+                self.assertLess(time.monotonic(), deadline)
+                await asyncio.sleep(0.02)
+            qcr.stop_children()             # what serve() does on its way out, however
+            await asyncio.wait_for(task, 5)
+        asyncio.run(crash())
+        time.sleep(0.1)
+        left = processes_with(marker)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        self.assertEqual(left, [])
+        self.assertEqual(qcr.CHILD_GROUPS, set())
+
     def test_a_cancel_while_a_command_starts_leaves_nothing_behind(self):
         """A cancel (or the signal's cancel) that lands while bash is being started, after
         it exists but before qcr holds its handle: bash and what it began are stopped."""
@@ -613,6 +635,10 @@ class TestBadInput(AcpTestCase):
                        b'{"sessionId":"x","modeId":"plan","n":1e999}}\n')
         response, _, _ = agent.wait("big")
         self.assertRpcError(response, qcr.INVALID_PARAMS, "too large")
+        agent.send_raw(b'{"jsonrpc":"2.0","id":"deep","method":"session/prompt","params":'
+                       b'{"sessionId":"x","prompt":' + b"[" * 100000 + b"]" * 100000 + b'}}\n')
+        response, _, _ = agent.wait("deep")          # valid JSON, too deep: its own id
+        self.assertRpcError(response, qcr.INVALID_PARAMS, "nested too deeply")
         self.assertClean(agent)
 
     def test_a_very_deep_tree_is_searched_without_recursion(self):
