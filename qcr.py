@@ -799,6 +799,8 @@ class Agent:
         if session.deleted:
             return None
         session.updated = time.time()
+        if self.store.sizes.get(session.id, 0) > self.config.max_session_chars:
+            session.trim(self.config.max_session_chars // 2)
         done = asyncio.wrap_future(self.store.save(session))
 
         def report(future: Any) -> None:
@@ -1315,6 +1317,24 @@ class Session:
         if at is not None:
             self.transcript[at] = {**self.transcript[at], **fields}
 
+    def trim(self, keep_chars: int) -> None:
+        """Keep the file bounded (maxSessionChars): the oldest part of the replay goes, so
+        that the rest of it holds about keep_chars. (What the model sees is bounded by
+        compaction; this is the user's view of long-past turns.)"""
+        self._close_run()
+        total, cut = 0, 0
+        for at in range(len(self.transcript) - 1, -1, -1):
+            total += len(json.dumps(self.transcript[at]))
+            if total > keep_chars:
+                cut = at + 1
+                break
+        if cut == 0:
+            return
+        note = message_chunk("agent_message_chunk", "[the earlier part of this thread was not "
+                             "kept: the session passed its size bound, maxSessionChars]\n\n")
+        self.transcript = [note] + self.transcript[cut:]
+        self._tool_at = {k: at - cut + 1 for k, at in self._tool_at.items() if at >= cut}
+
     def _close_run(self) -> None:
         if self._run is not None:
             kind, texts = self._run
@@ -1441,6 +1461,7 @@ class SessionStore:
         self._executor = None
         self.known: dict = {}     # session id -> the file's generation as this process left it
         self.waiting: dict = {}   # session id -> [newest snapshot, its future]: not yet written
+        self.sizes: dict = {}     # session id -> characters of the body last written
         self.lock = threading.Lock()
 
     def path(self, session_id: str) -> str:
@@ -1497,6 +1518,7 @@ class SessionStore:
                           separators=(",", ":"))
         meta = {k: data[k] for k in META_KEYS if k in data}
         meta.update(generation=generation, bodyChars=len(body))   # ASCII: chars are bytes
+        self.sizes[session_id] = len(body)
         text = json.dumps(meta, separators=(",", ":")) + "\n" + body + "\n"
         private_dir(self.root)
         if on_disk is not None and on_disk != known:
@@ -5562,6 +5584,7 @@ class Config:
     max_reply_chars: int = 2_000_000             # text and thoughts in one model reply
     max_tool_calls: int = 64                     # tool calls run from one model reply
     max_argument_chars: int = 4_000_000          # one tool call's arguments, characters
+    max_session_chars: int = 32_000_000          # a session file; beyond, old replay goes
     problems: list = field(default_factory=list) # mistakes in the configuration, for the user
 
 
@@ -5578,6 +5601,7 @@ CONFIG_KEYS = {    # config.json key -> (Config attribute, type)
     "localServers": ("local_servers", list), "toolProtocol": ("tool_protocol", str),
     "passEnv": ("pass_env", list), "maxReplyChars": ("max_reply_chars", int),
     "maxToolCalls": ("max_tool_calls", int), "maxToolArgumentChars": ("max_argument_chars", int),
+    "maxSessionChars": ("max_session_chars", int),
     "mcpStartTimeout": ("mcp_start_timeout", float),
     "mcpCallTimeout": ("mcp_call_timeout", float),
     "web": ("web", bool), "searchBackend": ("search_backend", str),
@@ -5603,6 +5627,7 @@ ENV_KEYS = [       # environment variable -> config.json key; later ones win
     ("QCR_MCP_CALL_TIMEOUT", "mcpCallTimeout"), ("QCR_PASS_ENV", "passEnv"),
     ("QCR_MAX_REPLY_CHARS", "maxReplyChars"), ("QCR_MAX_TOOL_CALLS", "maxToolCalls"),
     ("QCR_MAX_TOOL_ARGUMENT_CHARS", "maxToolArgumentChars"),
+    ("QCR_MAX_SESSION_CHARS", "maxSessionChars"),
 ]
 LOCAL_SERVERS = ("http://127.0.0.1:11434/v1",   # Ollama
                  "http://127.0.0.1:8080/v1",    # llama.cpp's llama-server

@@ -1367,6 +1367,23 @@ class TestSessionsThatLast(AcpTestCase):
         self.assertEqual(sorted(os.listdir(os.path.dirname(self.session_file(session_id)))),
                          [session_id + ".json"])
 
+    def test_a_long_session_keeps_its_file_bounded(self):
+        """Past maxSessionChars the oldest replay goes (with a note saying so); the newest
+        stays, and the file still loads."""
+        self.fake_model(*[scripted_reply(f"answer {i} " + "z" * 5000) for i in range(10)])
+        agent = self.start(env={"QCR_MAX_SESSION_CHARS": "40000"})
+        session_id = self.new_session(agent)
+        for i in range(10):
+            self.prompt(agent, session_id, f"question {i}")
+        agent.close()
+        saved = read_session_file(self.session_file(session_id))
+        self.assertLess(len(json.dumps(saved["transcript"])), 40000)
+        agent, response, replay = self.reopen("session/load", session_id)
+        said = text_of(replay)
+        self.assertTrue(said.startswith("[the earlier part of this thread was not kept"), said[:80])
+        self.assertIn("answer 9", said)
+        self.assertNotIn("answer 0", said)
+
     def test_two_processes_write_their_own_sessions(self):
         self.fake_model(*[calls(("LS", {}))] * 6 + [scripted_reply("done")])
         one, two = self.start(), self.start()
