@@ -294,14 +294,20 @@ def encode_frame(message: dict) -> bytes:
 
 
 def without_surrogates(value: Any) -> Any:
-    """A copy with lone UTF-16 surrogates (from a model's escapes) replaced by U+FFFD."""
+    """A copy with lone UTF-16 surrogates replaced: a byte of a file name that is not UTF-8
+    (Python keeps it as U+DC80..U+DCFF) becomes a readable \\xNN, any other (a model's
+    stray escape) U+FFFD -- strict JSON parsers (serde, llama.cpp's) reject them all."""
     if isinstance(value, str):
-        return re.sub("[\ud800-\udfff]", "\ufffd", value)
+        return SURROGATE.sub(lambda m: f"\\x{ord(m.group(0)) - 0xdc00:02x}"
+                             if "\udc80" <= m.group(0) <= "\udcff" else "\ufffd", value)
     if isinstance(value, list):
         return [without_surrogates(v) for v in value]
     if isinstance(value, dict):
         return {k: without_surrogates(v) for k, v in value.items()}
     return value
+
+
+SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def valid_id(value: Any) -> bool:
@@ -4309,7 +4315,7 @@ def read_context_file(path: str, project: str) -> str:
 
 
 def tool_message(call_id: str, text: str) -> dict:
-    return {"role": "tool", "tool_call_id": call_id, "content": text}
+    return {"role": "tool", "tool_call_id": call_id, "content": without_surrogates(text)}
 
 
 def merge_user_turns(messages: list) -> list:

@@ -641,6 +641,18 @@ class TestBadInput(AcpTestCase):
         self.assertRpcError(response, qcr.INVALID_PARAMS, "nested too deeply")
         self.assertClean(agent)
 
+    def test_file_names_that_are_not_utf8_read_cleanly(self):
+        with open(os.path.join(self.project.encode(), b"caf\xe9.txt"), "w") as f:
+            f.write("x\n")
+        self.fake_model(calls(("LS", {})), calls(("Glob", {"pattern": "*.txt"})),
+                        scripted_reply("ok"))
+        agent = self.start()
+        _, updates, _ = self.prompt(agent, self.new_session(agent), "go")
+        self.assertEqual(self.tool_messages(1), ["caf\\xe9.txt  (2 bytes)"])
+        self.assertEqual(self.tool_messages(2)[-1], "caf\\xe9.txt")
+        self.assertNotIn("\\ud", json.dumps(agent.received))     # valid for the editor too
+        self.assertClean(agent)
+
     def test_a_very_deep_tree_is_searched_without_recursion(self):
         self.addCleanup(subprocess.run, ["rm", "-rf", os.path.join(self.project, "d")])
         here = os.getcwd()
