@@ -326,11 +326,15 @@ class Connection:
     """
 
     def __init__(self, write: Callable[[bytes], None], on_request, on_notification,
-                 trace: Optional[Callable[[str, bytes], None]] = None):
+                 trace: Optional[Callable[[str, bytes], None]] = None,
+                 cancel_method: Optional[str] = "$/cancel_request"):
         self.write, self.trace = write, trace
         self.on_request, self.on_notification = on_request, on_notification
+        self.cancel_method = cancel_method   # told for a request of ours we abandon
         self.pending: dict = {}      # our request id -> future awaiting the peer's response
         self.tasks: set = set()      # request handlers still running
+        self.handling: dict = {}     # their request id -> (method, params, handler task)
+        self.on_cancel = lambda method, params, task: task.cancel()   # their $/cancel_request
         self.next_id = 0
         self.bad_frames = 0          # lines that were not JSON-RPC frames
 
@@ -352,6 +356,10 @@ class Connection:
         try:
             self.send({"jsonrpc": "2.0", "id": request_id, "method": method, "params": params})
             return await future
+        except asyncio.CancelledError:       # we no longer want it: say so (ACP's $/ form)
+            if self.cancel_method and (future.cancelled() or not future.done()):
+                self.notify(self.cancel_method, {"requestId": request_id})
+            raise
         finally:
             self.pending.pop(request_id, None)
 
@@ -429,13 +437,22 @@ class Connection:
             return self.reply(request_id, error=RpcError.invalid_request(
                 "method must be a string"))
         params = message.get("params")
+        if not has_id and method == "$/cancel_request" and isinstance(params, dict):
+            # the request it names as of now: a later request may reuse the id
+            target = self.handling.get(json.dumps(params.get("requestId")))
+            if target is not None:
+                asyncio.get_running_loop().call_soon(self._cancel, *target)
+            return
         if not has_id:   # queued behind the requests already read, so that a cancel
             # that follows a prompt in the same read finds that prompt's turn started
             asyncio.get_running_loop().call_soon(self._notification, method, params)
             return
         task = asyncio.ensure_future(self._answer(request_id, method, params))
         self.tasks.add(task)
+        key = json.dumps(request_id)
+        self.handling[key] = (method, params, task)
         task.add_done_callback(self.tasks.discard)
+        task.add_done_callback(lambda _: self.handling.pop(key, None))
 
     async def _answer(self, request_id: Any, method: str, params: Any) -> None:
         """Run one request handler and send its response -- the single error boundary."""
@@ -455,6 +472,12 @@ class Connection:
             self.reply(request_id, error=RpcError.internal_error(f"{type(e).__name__}: {e}"))
         else:
             self.reply(request_id, result)
+
+    def _cancel(self, method: str, params: Any, task: asyncio.Future) -> None:
+        """The peer abandons a request of theirs: it is still answered -- by the handler
+        (`on_cancel` may end it its own way) or with -32800."""
+        if not task.done():
+            self.on_cancel(method, params, task)
 
     def _notification(self, method: str, params: Any) -> None:
         try:
@@ -527,14 +550,26 @@ def diff_content(path: str, old_text: Optional[str], new_text: str) -> dict:
     return {"type": "diff", "path": path, "oldText": old_text, "newText": new_text}
 
 
+CHUNK_KINDS = ("agent_message_chunk", "agent_thought_chunk", "user_message_chunk")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{os.urandom(8).hex()}"
+
+
 def message_chunk(kind: str, text: str) -> dict:
     """agent_message_chunk, agent_thought_chunk or user_message_chunk."""
     return {"sessionUpdate": kind, "content": text_block(text)}
 
 
-def tool_call(call_id: str, title: str, kind: str, locations: list, raw_input: Any) -> dict:
-    return {"sessionUpdate": "tool_call", "toolCallId": call_id, "title": title, "kind": kind,
+def tool_call(call_id: str, title: str, kind: str, locations: list, raw_input: Any,
+              name: Optional[str] = None) -> dict:
+    """A tool call's card; `name` is the tool as the model called it (`title` is for people)."""
+    card = {"sessionUpdate": "tool_call", "toolCallId": call_id, "title": title, "kind": kind,
             "status": "pending", "locations": locations, "rawInput": raw_input}
+    if name:
+        card["name"] = name
+    return card
 
 
 def tool_call_update(call_id: str, **fields) -> dict:
@@ -721,6 +756,7 @@ class Agent:
         self.sessions: dict = {}
         self.ledger = Ledger(os.path.join(config.home, "permissions.json"))
         self.searched = False        # looked for a local model server already
+        self.signed_out = False      # `logout`: no new session until `authenticate`
         self.scheduler: Optional[asyncio.Future] = None    # runs due jobs (CronCreate)
         self.notice = ""             # what that search found, for the first session
 
@@ -744,14 +780,48 @@ class Agent:
             session = self.sessions.get(session_id)
             if session is not None:
                 session.cancel()
-        # Anything else -- notifications/initialized, $/cancel_request, … -- is ignored.
+        # Anything else -- notifications/initialized, … -- is ignored.
+
+    def cancel_request(self, method: str, params: Any, task: asyncio.Future) -> None:
+        """$/cancel_request from the client: a prompt ends as session/cancel ends it
+        (answered `cancelled`); any other request is answered -32800."""
+        if method == "session/prompt" and isinstance(params, dict):
+            self.on_notification("session/cancel", {"sessionId": params.get("sessionId")})
+        else:
+            task.cancel()
 
     def update(self, session: Session, update: dict) -> None:
-        """Send one session/update and keep it for replay on session/load."""
+        """Send one session/update and keep it for replay on session/load. The chunks of one
+        message share a `messageId`; a chunk of another kind, or a tool call or plan between
+        them, starts a new message."""
         if session.origin:          # a scheduled turn: say so on every update
-            update = dict(update, _meta=session.origin)
+            update = dict(update, _meta={**(update.get("_meta") or {}), **session.origin})
+        kind = update["sessionUpdate"]
+        if kind in CHUNK_KINDS:
+            if session.message is None or session.message[0] != kind:
+                session.message = (kind, new_id("msg"))
+            update = dict(update, messageId=session.message[1])
+        elif kind in ("tool_call", "tool_call_update", "plan"):
+            session.message = None
         self.conn.notify("session/update", {"sessionId": session.id, "update": update})
         session.record(update)
+
+    def tell(self, session: Session, severity: str, text: str) -> None:
+        """Say something that is qcr's, not the model's (a retry, a server that did not
+        start, a problem in the configuration): a `notice` when the client shows them (they
+        are live, never replayed), else the same words in the answer, as before."""
+        if not self.client_can("session", "notices"):
+            self.update(session, message_chunk("agent_message_chunk", text))
+            return
+        plain = re.sub(r"^\W*\[(note|warning|error|mcp)\]\s*|[_`*]", "", text.strip())
+        title, _, rest = plain.partition("\n")
+        notice = {"sessionUpdate": "notice", "severity": severity,
+                  "title": title[:200] or severity}
+        if rest.strip() or len(title) > 200:
+            notice["description"] = plain
+        if session.origin:
+            notice["_meta"] = session.origin
+        self.conn.notify("session/update", {"sessionId": session.id, "update": notice})
 
     def schedule(self) -> None:
         """Make sure the scheduler runs while any open session has jobs."""
@@ -817,8 +887,7 @@ class Agent:
                 log(f"could not save session {session.id}: {error}")
                 why = str(error) if isinstance(error, SessionConflict) else \
                     f"this session cannot be saved, so it will not reopen after a restart: {error}"
-                self.update(session, message_chunk("agent_message_chunk",
-                                                   f"\n[warning] {why}\n"))
+                self.tell(session, "warning", f"\n[warning] {why}\n")
         done.add_done_callback(report)
         return done
 
@@ -839,6 +908,7 @@ class Agent:
                 "mcpCapabilities": {"http": True, "sse": True},
                 "sessionCapabilities": {"list": {}, "resume": {}, "close": {}, "delete": {},
                                         "additionalDirectories": {}},
+                "auth": {"logout": {}},
             },
             "authMethods": self.auth_methods(),
             "agentInfo": {"name": "qcr", "title": "qcr", "version": __version__},
@@ -857,6 +927,22 @@ class Agent:
                                               "terminal; saved to ~/.qcr/config.json"})
         return methods
 
+    @rpc("logout")
+    async def logout(self, params: dict) -> dict:
+        """Forget the saved keys (in ~/.qcr/config.json); until the user signs in again --
+        `authenticate` -- a new session answers -32000, so the editor asks for sign-in."""
+        path = os.path.join(self.config.home, "config.json")
+
+        def forget() -> None:
+            saved = read_config_file(Config(), path, False)
+            kept = {k: v for k, v in saved.items() if k not in ("apiKey", "anthropicApiKey")}
+            if kept != saved:
+                write_private(path, json.dumps(kept, indent=2) + "\n")
+        await asyncio.to_thread(forget)
+        self.config = await asyncio.to_thread(load_config, self.config.config_file or None)
+        self.signed_out = True
+        return {}
+
     @rpc("authenticate")
     async def authenticate(self, params: dict) -> dict:
         method_id = need(params, "methodId")
@@ -864,7 +950,7 @@ class Agent:
             raise RpcError.invalid_params("methodId", f"names no auth method of qcr: "
                                                       f"{method_id!r}")
         self.config = await asyncio.to_thread(load_config, self.config.config_file or None)
-        self.searched = False
+        self.searched = self.signed_out = False
         await self.ensure_model()
         return {}
 
@@ -873,6 +959,9 @@ class Agent:
         machine (or ask the configured one for its models); with none at all, answer
         -32000 so the editor shows its sign-in screen."""
         config = self.config
+        if self.signed_out:
+            raise RpcError(AUTH_REQUIRED, "Authentication required: you signed out of qcr; "
+                           "sign in again to start a session")
         if config.provider != "openai" or (config.base_url and config.model):
             return
         if not self.searched:
@@ -915,7 +1004,20 @@ class Agent:
     async def session_load(self, params: dict) -> dict:
         """Reopen a saved session, replaying everything the user saw before answering."""
         session = await self.reopen(params)
+        message = None
         for update in session.replay():
+            kind = update.get("sessionUpdate")
+            if kind in CHUNK_KINDS:       # a run of one kind is one message, as it was live
+                message = message if message and message[0] == kind else (kind, new_id("msg"))
+                update = dict(update, messageId=message[1])
+            elif kind in ("tool_call", "plan"):
+                message = None
+            elif kind == "compaction_update" and not self.client_can("session", "compaction"):
+                summary = "".join(b.get("text", "") for b in update.get("summary") or [])
+                update = message_chunk("agent_message_chunk", "[the conversation was "
+                                       f"compacted]\n\n{summary}\n\n" if summary else "")
+                if not summary:
+                    continue
             self.conn.notify("session/update", {"sessionId": session.id, "update": update})
         self.after_answer(session)
         return {"modes": self.modes(session), "configOptions": self.config_options(session)}
@@ -961,7 +1063,8 @@ class Agent:
             if session.mcp_ready is None:        # the session's MCP servers, in the background
                 session.mcp_ready = asyncio.ensure_future(self.start_mcp(session))
             if session.notice:
-                self.update(session, message_chunk("agent_message_chunk", session.notice))
+                self.tell(session, "error" if "[error]" in session.notice else "info",
+                          session.notice)
                 session.notice = ""
             await self.announce_commands(session)
             if session.jobs:
@@ -984,8 +1087,8 @@ class Agent:
             await asyncio.wait(starting)
         for server in session.mcp.values():
             if server.error:
-                self.update(session, message_chunk(
-                    "agent_message_chunk", f"[mcp] the server {server.name} did not start, "
+                self.tell(session, "warning", (
+                    f"[mcp] the server {server.name} did not start, "
                     f"so its tools are missing: {server.error}\n\n"))
 
     async def approve_server(self, session: Session, name: str, spec: dict) -> bool:
@@ -1274,6 +1377,7 @@ class Session:
     armed: bool = False               # the user acted in this process: its jobs may run
     notice: str = ""                                   # said in the thread when reopened
     commands: Optional[list] = None                    # the slash commands last announced
+    message: Optional[tuple] = None                    # (chunk kind, messageId) being sent
     command_table: dict = field(default_factory=dict)  # name -> Command, read at each prompt
     notes: list = field(default_factory=list)          # project instructions, read each turn
     seen: dict = field(default_factory=dict)           # path -> digest of what qcr last read
@@ -1314,7 +1418,28 @@ class Session:
                 self.transcript[at] = merged
         elif kind == "plan":
             self.transcript.append(update)
+        elif kind in ("compaction_update", "compaction_summary_chunk"):
+            self.record_compaction(update)
         # Mode, config, title and command updates are state, replayed from the session's fields.
+
+    def record_compaction(self, update: dict) -> None:
+        """A compaction is one entity of the thread: its updates patch it, its summary
+        chunks append to it; it replays in its final form."""
+        key = "compaction:" + str(update.get("compactionId"))
+        at = self._tool_at.get(key)
+        entry = dict(self.transcript[at]) if at is not None else {
+            "sessionUpdate": "compaction_update", "compactionId": update.get("compactionId"),
+            "status": "in_progress"}
+        if update["sessionUpdate"] == "compaction_summary_chunk":
+            so_far = "".join(b.get("text", "") for b in entry.get("summary") or [])
+            entry["summary"] = [text_block(so_far + update["content"].get("text", ""))]
+        else:
+            entry.update({k: v for k, v in update.items() if k != "sessionUpdate"})
+        if at is None:
+            self._tool_at[key] = len(self.transcript)
+            self.transcript.append(entry)
+        else:
+            self.transcript[at] = entry
 
     def reshow(self, call_id: str, **fields) -> None:
         """Change how a tool call replays (not what was sent): an editor terminal's card
@@ -1427,6 +1552,11 @@ def replayable(update: Any) -> bool:
         entries = update.get("entries")
         return isinstance(entries, list) and all(
             isinstance(e, dict) and isinstance(e.get("content"), str) for e in entries)
+    if kind == "compaction_update":
+        summary = update.get("summary") or []
+        return isinstance(update.get("compactionId"), str) and \
+            isinstance(update.get("status"), str) and isinstance(summary, list) and all(
+                isinstance(b, dict) and isinstance(b.get("text"), str) for b in summary)
     return False
 
 
@@ -2073,7 +2203,7 @@ class Provider:
                     wait = min(wait, 0.5)
                 if not e.retry or reply.started or time.monotonic() + wait > deadline:
                     raise
-                emit("agent_message_chunk", f"_[{e.summary}; retrying in {wait:.0f} s]_\n\n")
+                emit("notice:warning", f"_[{e.summary}; retrying in {wait:.0f} s]_\n\n")
                 await asyncio.sleep(wait)       # cancel lands here too
 
     async def attempt(self, body: bytes, reply: Reply, emit: Callable) -> Reply:
@@ -4357,14 +4487,18 @@ async def run_turn(agent: Agent, session: Session, text: str, shown: str = "",
     open_turn(agent, session, text, shown, images)
 
     def emit(kind: str, chunk: str) -> None:
-        agent.update(session, message_chunk(kind, chunk))
+        """The stream's text and thoughts -- and, as "notice:<severity>", qcr's own notes."""
+        if kind.startswith("notice:"):
+            agent.tell(session, kind[len("notice:"):], chunk)
+        else:
+            agent.update(session, message_chunk(kind, chunk))
 
     if images and not agent.config.images:
-        emit("agent_message_chunk", f"[note] {len(images)} image(s) not sent: the model is "
-             "configured as text-only (images: false).\n\n")
+        agent.tell(session, "info", f"[note] {len(images)} image(s) not sent: the model is "
+                   "configured as text-only (images: false).\n\n")
     if agent.config.problems and not session.messages[:-1]:
-        emit("agent_message_chunk", "[warning] " + "\n[warning] ".join(agent.config.problems)
-             + "\n\n")
+        agent.tell(session, "warning", "[warning] " + "\n[warning] ".join(
+            agent.config.problems) + "\n\n")
     provider = make_provider(agent.config, session.model)
     reply: Optional[Reply] = None
     failures: dict = {}           # (tool, arguments, error) -> how often, this turn
@@ -4554,7 +4688,7 @@ async def ask_model(agent: Agent, session: Session, provider: Provider, reply: R
         if not rejects_tools(e) or session.text_tools or reply.started:
             raise
         session.text_tools = True
-        emit("agent_message_chunk", f"[note] {session.model} does not take tool "
+        emit("notice:info", f"[note] {session.model} does not take tool "
              "definitions, so qcr asks for tool calls as text instead.\n\n")
         messages = model_messages(agent, session, tools)
         await provider.stream(messages, [], reply, emit)
@@ -4594,7 +4728,8 @@ async def run_tool_call(agent: Agent, session: Session, call: dict) -> None:
                  for p in (fields.get(k) for k in ("path", "source", "destination"))
                  if isinstance(p, str) and p.strip() and "\0" not in p]
     card = tool_call(call_id, title, tool_.kind if tool_ else "other", locations,
-                     args if args is not None else call["arguments"])
+                     args if args is not None else call["arguments"],
+                     call["name"] if isinstance(call.get("name"), str) else None)
     agent.update(session, card)
     ctx = ToolContext(agent, session, call_id, tool_, card)
     try:
@@ -4810,15 +4945,13 @@ async def compact(agent: Agent, session: Session, instructions: str, automatic: 
     keeps only the last step."""
     window = context_window(agent.config, session.model)
     before = estimate_tokens(session.messages)
-    call_id = "compact-" + os.urandom(6).hex()
-    agent.update(session, tool_call(call_id, "Compact the conversation", "other", [], {
-        "instructions": instructions, "automatic": automatic}))
+    show = CompactionShown(agent, session, {"instructions": instructions,
+                                            "automatic": automatic})
     cut = compaction_cut(session.messages, int(window * KEEP_SHARE) if automatic else 0)
     if cut == 0:
-        agent.update(session, tool_call_update(call_id, status="completed", content=[
-            text_content("Nothing to compact: the whole conversation is recent.")]))
+        show.end("Nothing to compact: the whole conversation is recent.")
         return False
-    agent.update(session, tool_call_update(call_id, status="in_progress"))
+    show.working()
     request = render_history(session.messages[:cut], window * 2)
     if instructions:
         request += "\n\nIn the summary, also: " + instructions
@@ -4830,10 +4963,10 @@ async def compact(agent: Agent, session: Session, instructions: str, automatic: 
         if not reply.text.strip():
             raise ProviderError("the model returned an empty summary")
     except ProviderError as e:
-        fail_tool_call(agent, session, {"id": ""}, call_id, f"Not compacted: {e}")
+        show.failed(f"Not compacted: {e}")
         return False
     except asyncio.CancelledError:
-        fail_tool_call(agent, session, {"id": ""}, call_id, "Cancelled by the user.")
+        show.failed("Cancelled by the user.", cancelled=True)
         raise
     summary = reply.text.strip()
     kept_plan = "".join(f"\n- [{e['status']}] {e['content']}" for e in session.plan)
@@ -4841,12 +4974,57 @@ async def compact(agent: Agent, session: Session, instructions: str, automatic: 
     session.messages[:cut] = [{"role": "user", "content": head}]
     after = estimate_tokens(session.messages)
     session.context_used, session.context_mark = after, len(session.messages)
-    agent.update(session, tool_call_update(call_id, status="completed", content=[text_content(
-        f"Compacted the conversation from about {before:,} to {after:,} tokens.\n\n{summary}")],
-        rawOutput={"tokensBefore": before, "tokensAfter": after, "summarisedMessages": cut}))
+    show.end(f"Compacted the conversation from about {before:,} to {after:,} tokens.",
+             summary, {"tokensBefore": before, "tokensAfter": after, "summarisedMessages": cut})
     agent.update(session, usage_update(after, window, estimated=True))
     agent.save(session)
     return True
+
+
+class CompactionShown:
+    """How a compaction appears in the thread: as the protocol has it (compaction_update,
+    compaction_summary_chunk) when the client advertised session.compaction, else as a
+    tool card of its own."""
+
+    def __init__(self, agent: Agent, session: Session, raw_input: dict):
+        self.agent, self.session = agent, session
+        self.protocol = agent.client_can("session", "compaction")
+        self.id = new_id("compaction")
+        if self.protocol:
+            self.update(status="in_progress")
+        else:
+            agent.update(session, tool_call(self.id, "Compact the conversation", "other", [],
+                                            raw_input))
+
+    def update(self, **fields) -> None:
+        self.agent.update(self.session, {"sessionUpdate": "compaction_update",
+                                         "compactionId": self.id, **fields})
+
+    def working(self) -> None:
+        if not self.protocol:
+            self.agent.update(self.session, tool_call_update(self.id, status="in_progress"))
+
+    def end(self, said: str, summary: str = "", numbers: Optional[dict] = None) -> None:
+        if not self.protocol:
+            self.agent.update(self.session, tool_call_update(
+                self.id, status="completed",
+                content=[text_content(said + (f"\n\n{summary}" if summary else ""))],
+                **({"rawOutput": numbers} if numbers else {})))
+        elif not summary:
+            self.update(status="cancelled", _meta={"qcr": {"reason": said}})
+        else:
+            self.agent.update(self.session, {"sessionUpdate": "compaction_summary_chunk",
+                                             "compactionId": self.id,
+                                             "content": text_block(summary)})
+            self.update(status="completed", _meta={"qcr": numbers or {}})
+
+    def failed(self, why: str, cancelled: bool = False) -> None:
+        if not self.protocol:
+            fail_tool_call(self.agent, self.session, {"id": ""}, self.id, why)
+        elif cancelled:
+            self.update(status="cancelled")
+        else:
+            self.update(status="failed", error=why)
 
 
 # -- Slash commands ----------------------------------------------------------------------------
@@ -5070,7 +5248,8 @@ class StdioTransport:
 
         async def refuse(method: str, params: dict) -> Any:     # no roots, no sampling
             raise RpcError.method_not_found(method)
-        self.conn = Connection(self.proc.stdin.write, refuse, on_notification)
+        self.conn = Connection(self.proc.stdin.write, refuse, on_notification,
+                               cancel_method=None)    # (MCP has notifications/cancelled)
         self.reading = asyncio.ensure_future(self.conn.serve(self.proc.stdout))
         self.reading.add_done_callback(lambda _: self.conn.cancel_pending())
 
@@ -6050,6 +6229,7 @@ async def headless(config: Config, prompt: str, mode: Optional[str], model: Opti
     to_agent = asyncio.StreamReader(limit=MAX_FRAME_BYTES)
     to_client = asyncio.StreamReader(limit=MAX_FRAME_BYTES)
     agent.conn = Connection(to_client.feed_data, agent.on_request, agent.on_notification)
+    agent.conn.on_cancel = agent.cancel_request
     client = Client(out=sys.stdout, yes=yes)
     serving = asyncio.ensure_future(agent.conn.serve(to_agent))
     client.connect(to_client, to_agent.feed_data)
@@ -6237,6 +6417,7 @@ async def serve(config: Config, write: Callable[[bytes], None], trace: Any) -> N
     import signal
     agent = Agent(config)
     agent.conn = Connection(write, agent.on_request, agent.on_notification, trace)
+    agent.conn.on_cancel = agent.cancel_request
     reader = await stdin_reader()
     for name in ("SIGTERM", "SIGHUP"):
         try:

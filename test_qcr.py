@@ -355,6 +355,11 @@ class AcpTestCase(unittest.TestCase):
                 if m["role"] == "tool"]
 
 
+def without_ids(updates):
+    """Updates without their messageIds (random), to compare with what is expected."""
+    return [{k: v for k, v in u.items() if k != "messageId"} for u in updates]
+
+
 def read_session_file(path):
     """A session file: a metadata line, then the body line."""
     with open(path, encoding="ascii") as f:
@@ -796,6 +801,168 @@ class TestInitialize(AcpTestCase):
         self.assertEqual(caps["mcpCapabilities"], {"http": True, "sse": True})
 
 
+class TestTodaysAcp(AcpTestCase):
+    """What the current stable schema added, each gated on what the client advertises."""
+    EVERYTHING = {"session": {"notices": {}, "compaction": {}}}
+
+    def bad_config(self):
+        os.makedirs(os.path.join(self.home, ".qcr"), exist_ok=True)
+        with open(os.path.join(self.home, ".qcr", "config.json"), "w") as f:
+            json.dump({"bogus": 1}, f)
+
+    def test_qcrs_own_notes_are_notices_when_the_client_shows_them(self):
+        self.bad_config()
+        self.fake_model(scripted_reply("ok"))
+        for capabilities, noticed in (({}, False), (self.EVERYTHING, True)):
+            with self.subTest(notices=noticed):
+                agent = self.start()
+                session_id = self.new_session(agent, capabilities=capabilities)
+                _, updates, _ = self.prompt(agent, session_id, "hi")
+                notices = [u for u in updates if u["sessionUpdate"] == "notice"]
+                said = text_of(updates)
+                if noticed:
+                    self.assertEqual(said, "ok")
+                    self.assertEqual(notices[0]["severity"], "warning")
+                    self.assertIn("unknown setting 'bogus'", notices[0]["title"])
+                else:
+                    self.assertEqual(notices, [])
+                    self.assertIn("[warning] unknown setting 'bogus'", said)
+                agent.close()
+                _, replay, _ = self.reopen_with(session_id, capabilities)
+                self.assertNotIn("notice", kinds(replay))       # live only, never replayed
+
+    def reopen_with(self, session_id, capabilities):
+        agent = self.start()
+        agent.call("initialize", {"protocolVersion": 1, "clientCapabilities": capabilities})
+        response, replay, _ = agent.call("session/load", {
+            "sessionId": session_id, "cwd": self.project, "mcpServers": []})
+        return agent, replay, response
+
+    def test_compaction_as_the_protocol_has_it(self):
+        def model(body):
+            if body["messages"][0]["content"] == qcr.COMPACT_INSTRUCTIONS:
+                return scripted_reply("SUMMARY: short answers.")
+            return scripted_reply("word " * 800, usage=None)
+        self.model = qcr.FakeModel(model)
+        agent = self.start(env={"QCR_CONTEXT_WINDOW": "1000"})
+        session_id = self.new_session(agent, capabilities=self.EVERYTHING)
+        self.prompt(agent, session_id, "first")
+        _, updates, _ = self.prompt(agent, session_id, "second")
+        shown = [u for u in updates if u["sessionUpdate"].startswith("compaction")]
+        self.assertEqual([(u["sessionUpdate"], u.get("status")) for u in shown],
+                         [("compaction_update", "in_progress"),
+                          ("compaction_summary_chunk", None),
+                          ("compaction_update", "completed")])
+        self.assertEqual(len({u["compactionId"] for u in shown}), 1)
+        self.assertEqual(shown[1]["content"]["text"], "SUMMARY: short answers.")
+        numbers = shown[2]["_meta"]["qcr"]
+        self.assertGreater(numbers["tokensBefore"], numbers["tokensAfter"])
+        self.assertNotIn("tool_call", kinds(updates))
+        agent.close()
+        for capabilities, expected in ((self.EVERYTHING, "compaction_update"),
+                                       ({}, "agent_message_chunk")):
+            with self.subTest(capabilities=capabilities):
+                agent, replay, _ = self.reopen_with(session_id, capabilities)
+                if expected == "compaction_update":
+                    entity = [u for u in replay if u["sessionUpdate"] == expected]
+                    self.assertEqual(entity[0]["status"], "completed")
+                    self.assertEqual(entity[0]["summary"][0]["text"], "SUMMARY: short answers.")
+                else:
+                    self.assertIn("[the conversation was compacted]", text_of(replay))
+                    self.assertNotIn("compaction_update", kinds(replay))
+                agent.close()
+
+    def test_logout_forgets_the_key_and_asks_for_sign_in_again(self):
+        os.makedirs(os.path.join(self.home, ".qcr"))
+        path = os.path.join(self.home, ".qcr", "config.json")
+        self.fake_model(scripted_reply("ok"))
+        with open(path, "w") as f:
+            json.dump({"baseUrl": self.model.url, "model": "m", "apiKey": "sk-forget-me"}, f)
+        agent = self.start()
+        response, _, _ = agent.call("initialize", {"protocolVersion": 1})
+        self.assertEqual(response["result"]["agentCapabilities"]["auth"], {"logout": {}})
+        self.assertResult(agent.call("logout", {})[0], {})
+        with open(path) as f:
+            kept = json.load(f)
+        self.assertEqual(kept, {"baseUrl": self.model.url, "model": "m"})
+        new = {"cwd": self.project, "mcpServers": []}
+        self.assertRpcError(agent.call("session/new", new)[0], qcr.AUTH_REQUIRED, "signed out")
+        self.assertResult(agent.call("authenticate", {"methodId": "reload"})[0], {})
+        self.assertIn("sessionId", agent.call("session/new", new)[0]["result"])
+        self.assertClean(agent)
+
+    def test_tool_names_and_message_ids(self):
+        self.write("a.txt", "x\n")
+        self.fake_model([sse(completion_chunk({"content": "Let me "})),
+                         sse(completion_chunk({"content": "look."}))] +
+                        calls(("ReadFile", {"path": "a.txt"})), scripted_reply("Done."))
+        agent = self.start()
+        _, updates, _ = self.prompt(agent, self.new_session(agent), "go")
+        card = [u for u in updates if u["sessionUpdate"] == "tool_call"][0]
+        self.assertEqual(card["name"], "ReadFile")
+        chunks = [u for u in updates if u["sessionUpdate"] == "agent_message_chunk"]
+        before, after = chunks[:2], chunks[2:]
+        self.assertEqual(len({c["messageId"] for c in before}), 1)   # one message
+        self.assertNotEqual(before[0]["messageId"], after[0]["messageId"])   # then another
+
+    def test_cancel_request_both_ways(self):
+        self.fake_model(slow_reply(), calls(("WriteFile", {"path": "b.txt", "content": "x"})),
+                        scripted_reply("never"))
+        agent = self.start()
+        session_id = self.new_session(agent)
+        prompt = agent.request("session/prompt", {"sessionId": session_id,
+                                                  "prompt": [{"type": "text", "text": "go"}]})
+        while agent.recv().get("params", {}).get("update", {}).get(
+                "sessionUpdate") != "agent_message_chunk":
+            pass                                                   # the stream has begun
+        agent.notify("$/cancel_request", {"requestId": prompt})    # the client's form
+        response, _, _ = agent.wait(prompt)
+        self.assertResult(response, {"stopReason": "cancelled"})
+        prompt = agent.request("session/prompt", {"sessionId": session_id,
+                                                  "prompt": [{"type": "text", "text": "edit"}]})
+        while True:
+            frame = agent.recv()
+            if frame.get("method") == "session/request_permission":
+                break
+        agent.notify("session/cancel", {"sessionId": session_id})
+        frames = []
+        while not (frames and frames[-1].get("id") == prompt and "method" not in frames[-1]):
+            frames.append(agent.recv())
+        told = [f for f in frames if f.get("method") == "$/cancel_request"]
+        self.assertEqual(told[0]["params"], {"requestId": frame["id"]})   # qcr's form
+        self.assertResult(frames[-1], {"stopReason": "cancelled"})
+        self.assertFalse(os.path.exists(os.path.join(self.project, "b.txt")))
+
+    def test_what_the_acp_registry_checks(self):
+        """The registry's gate, as its verify_agents.py does it: an empty HOME, TERM=dumb,
+        its own initialize line; the first stdout line must be the answer, with an
+        authMethods entry of type agent or terminal (a method with no type is agent)."""
+        home = tempfile.mkdtemp(prefix="qcr-registry-")
+        self.addCleanup(shutil.rmtree, home, True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "QCR_"))}
+        env.update(HOME=home, TERM="dumb")
+        proc = subprocess.Popen([sys.executable, QCR, "--acp"], cwd=home, env=env,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
+        proc.stdin.write(json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize",
+                                     "params": {"protocolVersion": 1, "clientInfo": {
+                                         "name": "ACP Registry Validator", "version": "1.0.0"},
+                                         "clientCapabilities": {
+                                             "terminal": True, "fs": {"readTextFile": True,
+                                                                      "writeTextFile": True},
+                                             "_meta": {"terminal_output": True,
+                                                       "terminal-auth": True}}}}).encode()
+                         + b"\n")
+        proc.stdin.flush()
+        first = json.loads(proc.stdout.readline())
+        proc.terminate()
+        proc.communicate(timeout=5)
+        self.assertNotIn("error", first)
+        methods = first["result"]["authMethods"]
+        self.assertTrue(methods)
+        self.assertTrue(any(m.get("type", "agent") in ("agent", "terminal") for m in methods))
+
+
 class TestSessionSetup(AcpTestCase):
     def test_new_session_has_modes_and_config_options_in_sync(self):
         agent = self.start(env={"QCR_MODEL": "m1", "QCR_MODELS": "m1,m2"})
@@ -951,8 +1118,8 @@ class TestPersistence(AcpTestCase):
         response, replay, _ = agent.call("session/load", {
             "sessionId": session_id, "cwd": self.project, "mcpServers": []})
         self.assertEqual(response["result"]["modes"]["currentModeId"], "default")
-        self.assertEqual(replay, [{"sessionUpdate": "agent_message_chunk",
-                                   "content": {"type": "text", "text": "kept"}}])
+        self.assertEqual(without_ids(replay), [{"sessionUpdate": "agent_message_chunk",
+                                                "content": {"type": "text", "text": "kept"}}])
         self.assertClean(agent)
 
     def test_a_reloaded_session_offers_the_model_configured_now(self):
@@ -3239,7 +3406,8 @@ class TestEditorIntegration(AcpTestCase):
                 _, replay, _ = agent.call("session/load", {"sessionId": session_id,
                                                            "cwd": self.project,
                                                            "mcpServers": []})
-                self.assertIn({"sessionUpdate": "user_message_chunk", "content": image}, replay)
+                self.assertIn({"sessionUpdate": "user_message_chunk", "content": image},
+                              without_ids(replay))
                 self.model.close()
 
     def test_resource_links_are_read_through_the_editor(self):
