@@ -592,9 +592,13 @@ def session_info_update(title: str, updated_at: str) -> dict:
     return {"sessionUpdate": "session_info_update", "title": title, "updatedAt": updated_at}
 
 
-def usage_update(used: int, size: int, estimated: bool = False) -> dict:
-    """How full the model's context is; `_meta.estimated` when qcr counted it itself."""
-    update = {"sessionUpdate": "usage_update", "used": used, "size": size}
+def usage_update(used: int, size: int, estimated: bool = False,
+                 cost: Optional[float] = None) -> dict:
+    """How full the model's context is (`_meta.estimated` when qcr counted it itself), and
+    what the session has cost so far when the model's price is known."""
+    update: dict = {"sessionUpdate": "usage_update", "used": used, "size": size}
+    if cost is not None:
+        update["cost"] = {"amount": round(cost, 6), "currency": "USD"}
     if estimated:
         update["_meta"] = {"estimated": True}
     return update
@@ -1070,8 +1074,10 @@ class Agent:
             if session.jobs:
                 self.schedule()
             if session.context_used:
+                priced = price_of(self.config, session.model) is not None
                 self.update(session, usage_update(session.context_used,
-                                                  context_window(self.config, session.model)))
+                                                  context_window(self.config, session.model),
+                                                  cost=session.cost if priced else None))
         asyncio.get_running_loop().call_soon(asyncio.ensure_future, send())
 
     async def start_mcp(self, session: Session) -> None:
@@ -1212,9 +1218,11 @@ class Agent:
         return models or [NO_MODEL]
 
     def config_options(self, session: Session) -> list:
-        """The mode and model selectors; Zed shows these and ignores `modes` when present."""
+        """The session's selectors: mode, model, the reasoning effort (for a model that takes
+        one), automatic compaction (a switch when the client draws boolean options). Zed
+        shows these and ignores `modes` when present."""
         models = self.models(session)
-        return [
+        options = [
             {"id": "mode", "name": "Mode", "category": "mode", "type": "select",
              "currentValue": session.mode,
              "options": [{"value": m["id"], "name": m["name"], "description": m["description"]}
@@ -1223,6 +1231,34 @@ class Agent:
              "currentValue": session.model or models[0],
              "options": [{"value": m, "name": m} for m in models]},
         ]
+        levels = effort_levels(self.config, session.model)
+        if levels:
+            options.append({"id": "thought_level", "name": "Thinking", "category":
+                            "thought_level", "type": "select",
+                            "currentValue": session.effort if session.effort in levels
+                            else "default",
+                            "options": [{"value": "default", "name": "Model default"}] +
+                                       [{"value": v, "name": EFFORTS[v]} for v in levels]})
+        compaction = {"id": "auto_compact", "name": "Compact automatically",
+                      "description": "Summarise older turns when the context window fills",
+                      "category": "_qcr_context"}
+        if self.client_can("session", "configOptions", "boolean"):
+            options.append(dict(compaction, type="boolean", currentValue=session.auto_compact))
+        else:
+            options.append(dict(compaction, type="select",
+                                currentValue="on" if session.auto_compact else "off",
+                                options=[{"value": "on", "name": "On"},
+                                         {"value": "off", "name": "Off"}]))
+        return options
+
+    def set_effort(self, session: Session, value: Any, field_name: str) -> None:
+        levels = effort_levels(self.config, session.model)
+        if value != "default" and value not in levels:
+            raise RpcError.invalid_params(field_name, "must be one of " + ", ".join(
+                ["default"] + levels) if levels else f"{session.model} takes no effort level")
+        session.effort = "" if value == "default" else value
+        self.update(session, config_option_update(self.config_options(session)))
+        self.save(session)
 
     def set_mode(self, session: Session, mode_id: Any, field_name: str) -> None:
         if mode_id not in MODE_IDS:
@@ -1253,8 +1289,19 @@ class Agent:
             self.set_mode(session, params.get("value"), "value")
         elif config_id == "model":
             self.set_model(session, params.get("value"), "value")
+        elif config_id == "thought_level":
+            self.set_effort(session, params.get("value"), "value")
+        elif config_id == "auto_compact":
+            value = params.get("value")
+            value = {"on": True, "off": False}.get(value, value)
+            if not isinstance(value, bool):
+                raise RpcError.invalid_params("value", "must be true or false (on or off)")
+            session.auto_compact = value
+            self.update(session, config_option_update(self.config_options(session)))
+            self.save(session)
         else:
-            raise RpcError.invalid_params("configId", "must be one of mode, model")
+            raise RpcError.invalid_params("configId", "must be one of mode, model, "
+                                                      "thought_level, auto_compact")
         return {"configOptions": self.config_options(session)}
 
     @rpc("session/set_model")
@@ -1373,6 +1420,9 @@ class Session:
     deleted: bool = False                              # session/delete: never save again
     text_tools: bool = False          # the model takes no tool definitions: text protocol
     jobs: list = field(default_factory=list)           # scheduled prompts (CronCreate)
+    effort: str = ""                  # reasoning effort chosen (thought_level); "" = default
+    auto_compact: bool = True         # compact when the window fills
+    cost: float = 0.0                 # what the model calls cost so far, in USD (prices)
     origin: Optional[dict] = None     # {"source": "cron", ...} while a job's turn runs
     armed: bool = False               # the user acted in this process: its jobs may run
     notice: str = ""                                   # said in the thread when reopened
@@ -1490,7 +1540,8 @@ class Session:
                 "updated": self.updated, "contextUsed": self.context_used,
                 "messages": list(self.messages), "transcript": list(self.transcript),
                 "plan": list(self.plan), "allowed": dict(self.allowed),
-                "jobs": [dict(j) for j in self.jobs]}
+                "jobs": [dict(j) for j in self.jobs], "effort": self.effort,
+                "autoCompact": self.auto_compact, "cost": self.cost}
 
     @classmethod
     def from_json(cls, session_id: str, data: dict) -> Session:
@@ -1529,6 +1580,11 @@ class Session:
             session.context_used, session.context_mark = used, len(session.messages)
         if session.mode not in MODE_IDS:
             session.mode = "default"
+        session.effort = text("effort") if text("effort") in EFFORTS else ""
+        session.auto_compact = data.get("autoCompact") is not False
+        cost = data.get("cost")
+        session.cost = float(cost) if isinstance(cost, (int, float)) and \
+            not isinstance(cost, bool) and 0 <= cost < 1e12 else 0.0
         for i, update in enumerate(session.transcript):
             if update["sessionUpdate"] == "tool_call":
                 session._tool_at[update["toolCallId"]] = i
@@ -2181,6 +2237,7 @@ class Provider:
 
     def __init__(self, config: Config, model: str):
         self.config, self.model = config, model
+        self.effort = ""            # a level of effort_levels(), or "" for the model's default
 
     async def stream(self, messages: list, tools: list, reply: Reply,
                      emit: Callable[[str, str], None]) -> Reply:
@@ -2289,6 +2346,8 @@ class OpenAIProvider(Provider):
             body["temperature"] = self.config.temperature
         if self.config.max_tokens:
             body["max_tokens"] = self.config.max_tokens
+        if self.effort:
+            body["reasoning_effort"] = self.effort
         return body
 
     def outgoing(self, message: dict) -> dict:
@@ -2375,8 +2434,11 @@ class AnthropicProvider(Provider):
             body["tools"] = [{"name": t["function"]["name"],
                               "description": t["function"]["description"],
                               "input_schema": t["function"]["parameters"]} for t in tools]
-        if self.config.thinking_budget:
-            body["thinking"] = {"type": "enabled", "budget_tokens": self.config.thinking_budget}
+        budget = THINKING_BUDGETS.get(self.effort, 0 if self.effort == "off" else
+                                      self.config.thinking_budget)
+        if budget:
+            body["thinking"] = {"type": "enabled", "budget_tokens": budget}
+            body["max_tokens"] = max(body["max_tokens"], budget + 1024)
         elif self.config.temperature is not None:
             body["temperature"] = self.config.temperature
         return body
@@ -2481,8 +2543,25 @@ def user_blocks(content: Any) -> list:
 PROVIDERS = {"openai": OpenAIProvider, "anthropic": AnthropicProvider}
 
 
-def make_provider(config: Config, model: str) -> Provider:
-    return PROVIDERS[config.provider](config, model)
+def make_provider(config: Config, model: str, effort: str = "") -> Provider:
+    provider = PROVIDERS[config.provider](config, model)
+    provider.effort = effort if effort in effort_levels(config, model) else ""
+    return provider
+
+
+EFFORTS = {"off": "Off", "low": "Low", "medium": "Medium", "high": "High"}
+THINKING_BUDGETS = {"low": 2048, "medium": 8192, "high": 24576}    # Anthropic, tokens
+REASONING_MODELS = re.compile(r"(^|[/:_ -])(o[1-9]|gpt-5|gpt-oss|deepseek-r|qwq|qwen3|"
+                              r"magistral|grok-[3-9]|phi-4-reasoning)", re.I)
+
+
+def effort_levels(config: Config, model: str) -> list:
+    """The reasoning levels a model takes: Anthropic's thinking models a budget (or none),
+    OpenAI-style reasoning models `reasoning_effort`; [] for models that take neither."""
+    if config.provider == "anthropic":
+        old = re.search(r"claude-(instant|2|3-(opus|sonnet|haiku|5))", model)
+        return [] if old else ["off", "low", "medium", "high"]
+    return ["low", "medium", "high"] if REASONING_MODELS.search(model or "") else []
 
 
 # =============================================================================================
@@ -4499,14 +4578,14 @@ async def run_turn(agent: Agent, session: Session, text: str, shown: str = "",
     if agent.config.problems and not session.messages[:-1]:
         agent.tell(session, "warning", "[warning] " + "\n[warning] ".join(
             agent.config.problems) + "\n\n")
-    provider = make_provider(agent.config, session.model)
+    provider = make_provider(agent.config, session.model, session.effort)
     reply: Optional[Reply] = None
     failures: dict = {}           # (tool, arguments, error) -> how often, this turn
     session.notes = await asyncio.to_thread(project_notes, agent.config, session.cwd)
     try:
         await learn_context_window(agent.config, session.model)
         for _ in range(agent.config.max_turn_requests):
-            if needs_compaction(agent, session):
+            if session.auto_compact and needs_compaction(agent, session):
                 await compact(agent, session, "", automatic=True)
             reply = bounded_reply(agent.config)
             await ask_model(agent, session, provider, reply, emit)
@@ -4884,8 +4963,62 @@ def report_usage(agent: Agent, session: Session, reply: Reply, sent: list, tools
     if estimated:
         total = estimate_tokens(sent + [reply.message()]) + len(json.dumps(tools)) // 4
     session.context_used, session.context_mark = total, len(session.messages)
+    price = None if estimated else price_of(agent.config, session.model)
+    if price:
+        session.cost += reply_cost(usage, price)
     agent.update(session, usage_update(total, context_window(agent.config, session.model),
-                                       estimated))
+                                       estimated, session.cost if price else None))
+
+
+PRICES = {   # USD per million tokens, as published (2026); `prices` in the config wins
+    "gpt-5*": {"input": 1.25, "output": 10, "cached": 0.125},
+    "gpt-5-mini*": {"input": 0.25, "output": 2, "cached": 0.025},
+    "gpt-4.1*": {"input": 2, "output": 8, "cached": 0.5},
+    "gpt-4.1-mini*": {"input": 0.4, "output": 1.6, "cached": 0.1},
+    "gpt-4o*": {"input": 2.5, "output": 10, "cached": 1.25},
+    "gpt-4o-mini*": {"input": 0.15, "output": 0.6, "cached": 0.075},
+    "o3*": {"input": 2, "output": 8, "cached": 0.5},
+    "o4-mini*": {"input": 1.1, "output": 4.4, "cached": 0.275},
+    "claude-opus-4*": {"input": 15, "output": 75, "cached": 1.5},
+    "claude-sonnet-4*": {"input": 3, "output": 15, "cached": 0.3},
+    "claude-3-7-sonnet*": {"input": 3, "output": 15, "cached": 0.3},
+    "claude-3-5-haiku*": {"input": 0.8, "output": 4, "cached": 0.08},
+}
+
+
+def price_of(config: Config, model: str) -> Optional[dict]:
+    """The price of a model, the longest matching pattern first: the configured `prices`
+    (wherever the server is: a local proxy may bill), else the built-in table's -- but not
+    for a server on this machine or network, which costs nothing (and sends no cost)."""
+    import fnmatch
+    import ipaddress
+    from urllib.parse import urlparse
+
+    def look_up(table: dict) -> Optional[dict]:
+        found = [p for p in table if fnmatch.fnmatchcase(model, p)]
+        return table[max(found, key=len)] if found else None
+    if look_up(config.prices):
+        return look_up(config.prices)
+    url = config.anthropic_base_url if config.provider == "anthropic" else config.base_url
+    host = urlparse(url or "https://api").hostname or ""
+    try:
+        if host == "localhost" or not ipaddress.ip_address(host).is_global:
+            return None
+    except ValueError:
+        pass                       # a name: a hosted service
+    return look_up(PRICES)
+
+
+def reply_cost(usage: dict, price: dict) -> float:
+    """What one reply cost, from the token counts the server reported."""
+    def count(value: Any) -> int:
+        return value if isinstance(value, int) and not isinstance(value, bool) else 0
+    details = usage.get("prompt_tokens_details")
+    cached = count(details.get("cached_tokens")) if isinstance(details, dict) else 0
+    cached += count(usage.get("cache_read_input_tokens"))
+    prompt = max(count(usage.get("prompt_tokens")) - cached, 0)
+    return (prompt * price["input"] + cached * price.get("cached", price["input"]) +
+            count(usage.get("completion_tokens")) * price["output"]) / 1e6
 
 
 def context_now(session: Session) -> int:
@@ -5152,6 +5285,20 @@ async def command_model(agent: Agent, session: Session, args: str, typed: str) -
     return answer(agent, session, typed, f"Model: **{args}**.")
 
 
+async def command_effort(agent: Agent, session: Session, args: str, typed: str) -> str:
+    """How hard the model thinks (the Thinking selector): the levels the model takes."""
+    levels = effort_levels(agent.config, session.model)
+    if not levels:
+        return answer(agent, session, typed, f"**{session.model or NO_MODEL}** takes no "
+                      "reasoning effort setting.")
+    if args not in levels + ["default"]:
+        return answer(agent, session, typed, f"Thinking: **{session.effort or 'default'}**. "
+                      "Choose one of: " + ", ".join(f"`{v}`" for v in ["default"] + levels) +
+                      ".")
+    agent.set_effort(session, args, "effort")
+    return answer(agent, session, typed, f"Thinking: **{args}**.")
+
+
 async def command_permissions(agent: Agent, session: Session, args: str, typed: str) -> str:
     """List the remembered answers that apply here (session, project, everywhere); revoke."""
     remembered = await agent.ledger.scoped(session)
@@ -5189,6 +5336,8 @@ BUILTIN_COMMANDS = [
     Command("mode", "Switch mode: default, plan, auto-edit or yolo",
             "default | plan | auto-edit | yolo", run=command_mode),
     Command("model", "Switch the model", "model id", run=command_model),
+    Command("effort", "How hard the model thinks: default, or the levels it takes",
+            "default | low | medium | high", run=command_effort),
     Command("permissions", "List remembered approvals, or revoke them", "revoke N | revoke all",
             run=command_permissions),
 ]
@@ -5770,6 +5919,7 @@ class Config:
     max_tool_calls: int = 64                     # tool calls run from one model reply
     max_argument_chars: int = 4_000_000          # one tool call's arguments, characters
     max_session_chars: int = 32_000_000          # a session file; beyond, old replay goes
+    prices: dict = field(default_factory=dict)   # model pattern -> USD per million tokens
     problems: list = field(default_factory=list) # mistakes in the configuration, for the user
 
 
@@ -5786,7 +5936,7 @@ CONFIG_KEYS = {    # config.json key -> (Config attribute, type)
     "localServers": ("local_servers", list), "toolProtocol": ("tool_protocol", str),
     "passEnv": ("pass_env", list), "maxReplyChars": ("max_reply_chars", int),
     "maxToolCalls": ("max_tool_calls", int), "maxToolArgumentChars": ("max_argument_chars", int),
-    "maxSessionChars": ("max_session_chars", int),
+    "maxSessionChars": ("max_session_chars", int), "prices": ("prices", dict),
     "mcpStartTimeout": ("mcp_start_timeout", float),
     "mcpCallTimeout": ("mcp_call_timeout", float),
     "web": ("web", bool), "searchBackend": ("search_backend", str),
@@ -5905,6 +6055,8 @@ def apply_config(config: Config, data: dict, source: str) -> None:
             elif kind is str:
                 if not isinstance(value, str):
                     raise TypeError("not a string")
+            elif kind is dict:
+                value = checked_prices(value)
             elif kind is bool:
                 if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on",
                                                                 "0", "false", "no", "off"):
@@ -5921,6 +6073,20 @@ def apply_config(config: Config, data: dict, source: str) -> None:
             config.problems.append(f"setting {key!r} in {source} is invalid ({e}); ignored")
             continue
         setattr(config, attribute, value)
+
+
+def checked_prices(value: Any) -> dict:
+    """`prices`: {"model pattern": {"input": 3, "output": 15, "cached": 0.3}}, in USD per
+    million tokens (cached: input read from the server's cache; defaults to input)."""
+    if not isinstance(value, dict):
+        raise TypeError("not an object of model patterns")
+    for pattern, price in value.items():
+        if not isinstance(price, dict) or not all(
+                isinstance(price.get(k), (int, float)) and not isinstance(price.get(k), bool)
+                and 0 <= price[k] < 1e6 for k in ("input", "output")) or \
+                not isinstance(price.get("cached", 0), (int, float)):
+            raise ValueError(f"{pattern!r} needs input and output prices, numbers")
+    return value
 
 
 def server_json(url: str, api_key: str, timeout: float) -> Any:

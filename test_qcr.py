@@ -933,6 +933,102 @@ class TestTodaysAcp(AcpTestCase):
         self.assertResult(frames[-1], {"stopReason": "cancelled"})
         self.assertFalse(os.path.exists(os.path.join(self.project, "b.txt")))
 
+    def option(self, options, option_id):
+        found = [o for o in options if o["id"] == option_id]
+        return found[0] if found else None
+
+    def test_thinking_level_for_the_models_that_take_one(self):
+        self.fake_model(scripted_reply("ok"))
+        agent = self.start(env={"QCR_MODEL": "gpt-oss-20b"})
+        agent.call("initialize", {"protocolVersion": 1})
+        response, _, _ = agent.call("session/new", {"cwd": self.project, "mcpServers": []})
+        session_id = response["result"]["sessionId"]
+        level = self.option(response["result"]["configOptions"], "thought_level")
+        self.assertEqual((level["category"], level["currentValue"]), ("thought_level", "default"))
+        self.assertEqual([o["value"] for o in level["options"]],
+                         ["default", "low", "medium", "high"])
+        response, _, _ = agent.call("session/set_config_option", {
+            "sessionId": session_id, "configId": "thought_level", "value": "high"})
+        self.assertEqual(self.option(response["result"]["configOptions"],
+                                     "thought_level")["currentValue"], "high")
+        self.prompt(agent, session_id, "think hard")
+        self.assertEqual(self.model.requests[-1]["reasoning_effort"], "high")
+        self.prompt(agent, session_id, "/effort low")
+        self.prompt(agent, session_id, "and now")
+        self.assertEqual(self.model.requests[-1]["reasoning_effort"], "low")
+        self.assertRpcError(agent.call("session/set_config_option", {
+            "sessionId": session_id, "configId": "thought_level", "value": "max"})[0],
+            qcr.INVALID_PARAMS)
+        agent.close()
+        agent = self.start(env={"QCR_MODEL": "gpt-oss-20b"})          # kept with the session
+        agent.call("initialize", {"protocolVersion": 1})
+        response, _, _ = agent.call("session/load", {"sessionId": session_id,
+                                                     "cwd": self.project, "mcpServers": []})
+        self.assertEqual(self.option(response["result"]["configOptions"],
+                                     "thought_level")["currentValue"], "low")
+        agent.close()
+        agent = self.start(env={"QCR_MODEL": "plain-coder"})          # takes neither
+        session_id = self.new_session(agent)
+        response, _, _ = agent.call("session/set_config_option", {
+            "sessionId": session_id, "configId": "mode", "value": "default"})
+        self.assertIsNone(self.option(response["result"]["configOptions"], "thought_level"))
+        self.prompt(agent, session_id, "hi")
+        self.assertNotIn("reasoning_effort", self.model.requests[-1])
+
+    def test_thinking_budgets_for_anthropic(self):
+        config = qcr.Config(provider="anthropic", max_tokens=4096)
+        messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+        for effort, budget in (("high", 24576), ("low", 2048), ("off", None), ("", None)):
+            with self.subTest(effort=effort):
+                body = qcr.make_provider(config, "claude-sonnet-4-5", effort).request_body(
+                    messages, [])
+                self.assertEqual(body.get("thinking", {}).get("budget_tokens"), budget)
+                if budget:
+                    self.assertGreater(body["max_tokens"], budget)
+        self.assertEqual(qcr.effort_levels(config, "claude-3-5-haiku-latest"), [])
+
+    def test_automatic_compaction_can_be_switched_off(self):
+        self.model = qcr.FakeModel(lambda body: scripted_reply("word " * 800, usage=None))
+        for capabilities, kind in (({"session": {"configOptions": {"boolean": {}}}}, "boolean"),
+                                   ({}, "select")):
+            with self.subTest(kind=kind):
+                agent = self.start(env={"QCR_CONTEXT_WINDOW": "1000"})
+                session_id = self.new_session(agent, capabilities=capabilities)
+                off = {"sessionId": session_id, "configId": "auto_compact", "value": False}
+                off = dict(off, type="boolean") if kind == "boolean" else dict(off, value="off")
+                response, _, _ = agent.call("session/set_config_option", off)
+                switch = self.option(response["result"]["configOptions"], "auto_compact")
+                self.assertEqual(switch["type"], kind)
+                self.assertIn(switch["currentValue"], (False, "off"))
+                for text in ("one", "two", "three"):
+                    _, updates, _ = self.prompt(agent, session_id, text)
+                    self.assertNotIn("tool_call", kinds(updates))     # never compacted
+                agent.close()
+
+    def test_cost_when_the_price_is_known(self):
+        os.makedirs(os.path.join(self.home, ".qcr"))
+        with open(os.path.join(self.home, ".qcr", "config.json"), "w") as f:
+            json.dump({"prices": {"paid-*": {"input": 2, "output": 10}}}, f)
+        usage = {"prompt_tokens": 1000, "completion_tokens": 100, "total_tokens": 1100}
+        self.fake_model(scripted_reply("ok", usage=usage))
+        for model, cost in (("paid-model", 0.003), ("free-local-model", None)):
+            with self.subTest(model=model):
+                agent = self.start(env={"QCR_MODEL": model})
+                session_id = self.new_session(agent)
+                for total in (1, 2):
+                    _, updates, _ = self.prompt(agent, session_id, "hi")
+                    usage_updates = [u for u in updates if u["sessionUpdate"] == "usage_update"]
+                    if cost is None:     # a local server, no price configured: no cost
+                        self.assertNotIn("cost", usage_updates[-1])
+                    else:                # cumulative: 1,000 x $2 + 100 x $10 per million
+                        self.assertEqual(usage_updates[-1]["cost"],
+                                         {"amount": round(cost * total, 6), "currency": "USD"})
+                agent.close()
+        self.assertIsNone(qcr.price_of(qcr.Config(base_url="http://127.0.0.1:8080/v1"),
+                                       "gpt-4o"))
+        self.assertEqual(qcr.price_of(qcr.Config(base_url="https://api.openai.com/v1"),
+                                      "gpt-4o-mini-2024")["input"], 0.15)
+
     def test_what_the_acp_registry_checks(self):
         """The registry's gate, as its verify_agents.py does it: an empty HOME, TERM=dumb,
         its own initialize line; the first stdout line must be the answer, with an
@@ -1593,8 +1689,8 @@ class TestSlashCommands(AcpTestCase):
         agent = self.start()
         self.new_session(agent)
         commands = {c["name"]: c for c in self.commands["availableCommands"]}
-        self.assertEqual(sorted(commands), ["compact", "explain", "init", "mode", "model",
-                                            "permissions", "review"])
+        self.assertEqual(sorted(commands), ["compact", "effort", "explain", "init", "mode",
+                                            "model", "permissions", "review"])
         self.assertEqual(commands["review"], {"name": "review", "description": "Review a file",
                                               "input": {"hint": "<path>"}})
         self.assertEqual(commands["explain"]["description"], "Explain the code")
