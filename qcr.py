@@ -818,6 +818,8 @@ class Agent:
             self.update(session, message_chunk("agent_message_chunk", text))
             return
         plain = re.sub(r"^\W*\[(note|warning|error|mcp)\]\s*|[_`*]", "", text.strip())
+        if plain.startswith("[") and plain.endswith("]"):       # a retry's [ ... ]
+            plain = plain[1:-1]
         title, _, rest = plain.partition("\n")
         notice = {"sessionUpdate": "notice", "severity": severity,
                   "title": title[:200] or severity}

@@ -831,6 +831,16 @@ class TestTodaysAcp(AcpTestCase):
                 _, replay, _ = self.reopen_with(session_id, capabilities)
                 self.assertNotIn("notice", kinds(replay))       # live only, never replayed
 
+    def test_a_retry_is_a_notice(self):
+        self.fake_model((503, {"error": "overloaded"}), scripted_reply("Finally."))
+        agent = self.start(env={"QCR_RETRY_BUDGET": "20"})
+        session_id = self.new_session(agent, capabilities=self.EVERYTHING)
+        _, updates, _ = self.prompt(agent, session_id, "hi", timeout=30)
+        notices = [u for u in updates if u["sessionUpdate"] == "notice"]
+        self.assertEqual(text_of(updates), "Finally.")
+        self.assertEqual(notices[0]["severity"], "warning")
+        self.assertRegex(notices[0]["title"], r"^[^\[_].*HTTP 503.*retrying in \d+ s$")
+
     def reopen_with(self, session_id, capabilities):
         agent = self.start()
         agent.call("initialize", {"protocolVersion": 1, "clientCapabilities": capabilities})
