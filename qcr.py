@@ -1425,6 +1425,7 @@ class Session:
     effort: str = ""                  # reasoning effort chosen (thought_level); "" = default
     auto_compact: bool = True         # compact when the window fills
     cost: float = 0.0                 # what the model calls cost so far, in USD (prices)
+    changes: list = field(default_factory=list)        # file changes, for /undo (bounded)
     origin: Optional[dict] = None     # {"source": "cron", ...} while a job's turn runs
     armed: bool = False               # the user acted in this process: its jobs may run
     notice: str = ""                                   # said in the thread when reopened
@@ -1543,7 +1544,8 @@ class Session:
                 "messages": list(self.messages), "transcript": list(self.transcript),
                 "plan": list(self.plan), "allowed": dict(self.allowed),
                 "jobs": [dict(j) for j in self.jobs], "effort": self.effort,
-                "autoCompact": self.auto_compact, "cost": self.cost}
+                "autoCompact": self.auto_compact, "cost": self.cost,
+                "changes": list(self.changes)}
 
     @classmethod
     def from_json(cls, session_id: str, data: dict) -> Session:
@@ -1584,6 +1586,8 @@ class Session:
             session.mode = "default"
         session.effort = text("effort") if text("effort") in EFFORTS else ""
         session.auto_compact = data.get("autoCompact") is not False
+        changes = data.get("changes") if isinstance(data.get("changes"), list) else []
+        session.changes = [c for c in changes if undoable(c)]
         cost = data.get("cost")
         session.cost = float(cost) if isinstance(cost, (int, float)) and \
             not isinstance(cost, bool) and 0 <= cost < 1e12 else 0.0
@@ -1591,6 +1595,13 @@ class Session:
             if update["sessionUpdate"] == "tool_call":
                 session._tool_at[update["toolCallId"]] = i
         return session
+
+
+def undoable(change: Any) -> bool:
+    """Is a saved /undo record of the shape qcr writes?"""
+    return isinstance(change, dict) and isinstance(change.get("id"), str) and \
+        isinstance(change.get("path"), str) and isinstance(change.get("source", ""), str) and \
+        all(change.get(k) is None or isinstance(change.get(k), str) for k in ("before", "after"))
 
 
 def replayable(update: Any) -> bool:
@@ -2936,6 +2947,19 @@ class ToolContext:
         await asyncio.to_thread(write_text, real, text)
         self.session.seen[path] = digest(text)
 
+    def changed(self, path: str, before: Optional[str], after: Optional[str],
+                source: str = "") -> None:
+        """Keep what a file change replaced, for /undo: the exact previous text (None: the
+        file did not exist), what the change left (None: deleted), a move's source. The
+        oldest go first past UNDO_CHARS."""
+        self.session.changes.append({"id": self.call_id, "path": path, "before": before,
+                                     "after": after, "source": source, "at": time.time()})
+        total = sum(len(c["before"] or "") + len(c["after"] or "")
+                    for c in self.session.changes)
+        while total > UNDO_CHARS and len(self.session.changes) > 1:
+            gone = self.session.changes.pop(0)
+            total -= len(gone["before"] or "") + len(gone["after"] or "")
+
     # -- permission ---------------------------------------------------------------------------
     async def permit(self, content: list, *needs: tuple) -> None:
         """Clear this call with the policy, or raise ToolError. Each need is (POLICY row,
@@ -3128,6 +3152,7 @@ class Ledger:
                                   data["projects"].get(session.cwd, {})).pop(key, None))
 
 
+UNDO_CHARS = 8_000_000         # text kept for /undo, per session (the oldest go first)
 READ_LINES = 2000              # lines ReadFile returns by default
 READ_CHARS = 200_000           # most characters ReadFile returns at once
 LINE_CHARS = 2000              # longer lines are cut in ReadFile and Grep output
@@ -3317,9 +3342,11 @@ async def write_file(ctx: ToolContext, path: str, content: str):
     diff = diff_content(full, old, content)
     await ctx.permit([diff], need)
     await ctx.write(full, content)
+    ctx.changed(full, old, content)
     verb = "Created" if old is None else "Replaced"
     return ToolResult(f"{verb} {full} ({count_lines(content)} lines).", [diff],
-                      {"path": full, "created": old is None, "bytes": len(content.encode())},
+                      {"path": full, "created": old is None, "bytes": len(content.encode()),
+                       "undo": f"/undo {ctx.call_id}"},
                       [{"path": full, "line": 1}])
 
 
@@ -3368,9 +3395,11 @@ async def edit_file(ctx: ToolContext, path: str, old_string: str, new_string: st
     diff = diff_content(full, text if existed else None, new_text)
     await ctx.permit([diff], need)
     await ctx.write(full, new_text)
+    ctx.changed(full, text if existed else None, new_text)
     replaced = count if replace_all else 1
     return ToolResult(f"Edited {full}: replaced {replaced} occurrence(s) at line {line}.",
-                      [diff], {"path": full, "replacements": replaced, "line": line},
+                      [diff], {"path": full, "replacements": replaced, "line": line,
+                               "undo": f"/undo {ctx.call_id}"},
                       [{"path": full, "line": line}])
 
 
@@ -3385,6 +3414,7 @@ async def delete_file(ctx: ToolContext, path: str):
     if not os.path.lexists(full):
         raise ToolError(f"no such file: {full}")
     need = ctx.on_path("delete", full)
+    old = None
     try:
         old = await ctx.read_for_change(full)
         shown = diff_content(full, old or "", "")
@@ -3397,8 +3427,11 @@ async def delete_file(ctx: ToolContext, path: str):
         await asyncio.to_thread(os.remove, ctx.real(full))
     except OSError as e:
         raise ToolError(f"cannot delete {full}: {e.strerror}") from None
+    if old is not None:                   # (a file that is not text cannot come back)
+        ctx.changed(full, old, None)
     ctx.session.seen.pop(full, None)
-    return ToolResult(f"Deleted {full}.", [shown], {"path": full, "deleted": True})
+    return ToolResult(f"Deleted {full}.", [shown], {"path": full, "deleted": True, "undo": (
+        f"/undo {ctx.call_id}" if old is not None else None)})
 
 
 @tool("MoveFile", "move", {
@@ -3419,8 +3452,10 @@ async def move_file(ctx: ToolContext, source: str, destination: str):
         await asyncio.to_thread(move_path, ctx.real(src), ctx.real(dst))
     except OSError as e:
         raise ToolError(f"cannot move {src}: {e.strerror or e}") from None
+    ctx.changed(dst, None, None, source=src)
     ctx.session.seen.pop(src, None)
-    return ToolResult(f"Moved {src} to {dst}.", [shown], {"source": src, "destination": dst},
+    return ToolResult(f"Moved {src} to {dst}.", [shown], {"source": src, "destination": dst,
+                                                          "undo": f"/undo {ctx.call_id}"},
                       [{"path": dst}])
 
 
@@ -5287,6 +5322,74 @@ async def command_model(agent: Agent, session: Session, args: str, typed: str) -
     return answer(agent, session, typed, f"Model: **{args}**.")
 
 
+async def command_undo(agent: Agent, session: Session, args: str, typed: str) -> str:
+    """Revert file changes: the last one, the last N, or every change of one tool call --
+    each a card with the reversing diff; a file changed since asks first."""
+    changes = session.changes
+    if args.isdigit() and int(args) > 0:
+        picked = changes[-int(args):]
+    elif args:
+        picked = [c for c in changes if c["id"] == args]
+    else:
+        picked = changes[-1:]
+    if not picked:
+        return answer(agent, session, typed, "Nothing to undo." if not args else
+                      f"No change of `{args}` is kept to undo; `/undo` reverts the last one.")
+    session.record(message_chunk("user_message_chunk", typed))
+    for change in reversed(picked):
+        await undo_change(agent, session, change)
+    agent.save(session)
+    return "end_turn"
+
+
+async def undo_change(agent: Agent, session: Session, change: dict) -> None:
+    """One change reverted, as a tool card of its own (the user asked: no policy card, but
+    a file that changed since the change asks before it is overwritten)."""
+    path, source = change["path"], change.get("source") or ""
+    card_id = new_id("undo")
+    card = tool_call(card_id, f"Undo: {'move back ' + path if source else path}",
+                     "move" if source else "edit", [{"path": source or path}],
+                     {"undo": change["id"]}, "undo")
+    agent.update(session, card)
+    ctx = ToolContext(agent, session, card_id, None, card)
+    try:
+        if source:
+            if os.path.lexists(source) or not os.path.lexists(path):
+                raise ToolError(f"cannot move {path} back: {source} exists, or {path} is gone")
+            ctx.on_path("write", source)
+            ctx.on_path("delete", path)
+            await asyncio.to_thread(move_path, ctx.real(path), ctx.real(source))
+            shown = text_content(f"Moved {path} back to {source}")
+        else:
+            ctx.on_path("write", path)
+            now = await ctx.read(path, remember=False)
+            shown = diff_content(path, now, change["before"] or "") if now is not None else \
+                diff_content(path, None, change["before"] or "")
+            if now != change["after"]:
+                choice = await ctx.choose([text_content(f"{path} has changed since that "
+                                                        "change; undoing it replaces what is "
+                                                        "there now:"), shown],
+                                          [("allow_once", "Undo anyway", "allow_once"),
+                                           ("reject_once", "Keep the file", "reject_once")])
+                if choice != "allow_once":
+                    raise ToolError("kept as it is: the file changed since")
+            if change["before"] is None:
+                if now is not None:
+                    await asyncio.to_thread(os.remove, ctx.real(path))
+            else:
+                await ctx.write(path, change["before"])
+    except (ToolError, OSError) as e:
+        why = str(e) if isinstance(e, ToolError) else (e.strerror or str(e))
+        agent.update(session, tool_call_update(card_id, status="failed",
+                                               content=[text_content(f"Not undone: {why}")]))
+        return
+    session.changes.remove(change)
+    agent.update(session, tool_call_update(card_id, status="completed", content=[shown]))
+    messages = session.messages       # the model learns of it with the next prompt
+    messages.append({"role": "user", "content": f"[The user reverted a change of yours "
+                                                f"({change['id']}) to {path}.]"})
+
+
 async def command_effort(agent: Agent, session: Session, args: str, typed: str) -> str:
     """How hard the model thinks (the Thinking selector): the levels the model takes."""
     levels = effort_levels(agent.config, session.model)
@@ -5338,6 +5441,8 @@ BUILTIN_COMMANDS = [
     Command("mode", "Switch mode: default, plan, auto-edit or yolo",
             "default | plan | auto-edit | yolo", run=command_mode),
     Command("model", "Switch the model", "model id", run=command_model),
+    Command("undo", "Revert the last file change, the last N, or those of one tool call",
+            "N | tool call id (optional)", run=command_undo),
     Command("effort", "How hard the model thinks: default, or the levels it takes",
             "default | low | medium | high", run=command_effort),
     Command("permissions", "List remembered approvals, or revoke them", "revoke N | revoke all",

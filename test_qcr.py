@@ -1687,6 +1687,76 @@ class TestSessionsThatLast(AcpTestCase):
         self.assertEqual(len(response["result"]["sessions"]), 2)
 
 
+class TestUndo(AcpTestCase):
+    """Every file change can be reverted: /undo, /undo N, /undo <tool call>."""
+
+    def read(self, name):
+        with open(os.path.join(self.project, name)) as f:
+            return f.read()
+
+    def test_every_kind_of_change_comes_back(self):
+        self.write("a.txt", "one\n")
+        self.write("b.txt", "keep me\n")
+        self.write("c.txt", "moved\n")
+        self.fake_model(calls(("WriteFile", {"path": "new.txt", "content": "fresh\n"}),
+                              ("EditFile", {"path": "a.txt", "old_string": "one",
+                                            "new_string": "two"}),
+                              ("DeleteFile", {"path": "b.txt"}),
+                              ("MoveFile", {"source": "c.txt", "destination": "sub/d.txt"})),
+                        scripted_reply("done"))
+        agent = self.start()
+        session_id = self.new_session(agent)
+        agent.call("session/set_mode", {"sessionId": session_id, "modeId": "yolo"})
+        _, updates, _ = self.prompt(agent, session_id, "change things")
+        cards = [u for u in updates if u["sessionUpdate"] == "tool_call_update"
+                 and u.get("status") == "completed"]
+        self.assertTrue(all(c["rawOutput"]["undo"].startswith("/undo call") for c in cards))
+        self.assertEqual(self.read("a.txt"), "two\n")
+        _, updates, _ = self.prompt(agent, session_id, "/undo 4")
+        undone = [v for k, v in visible(updates) if k == "tool"]
+        self.assertEqual([c["status"] for c in undone], ["completed"] * 4)
+        self.assertTrue(all(c["title"].startswith("Undo: ") for c in undone))
+        self.assertEqual(self.read("a.txt"), "one\n")
+        self.assertEqual(self.read("b.txt"), "keep me\n")
+        self.assertEqual(self.read("c.txt"), "moved\n")
+        self.assertFalse(os.path.exists(os.path.join(self.project, "new.txt")))
+        self.assertFalse(os.path.exists(os.path.join(self.project, "sub", "d.txt")))
+        _, updates, _ = self.prompt(agent, session_id, "/undo")
+        self.assertEqual(text_of(updates), "Nothing to undo.")
+        self.assertClean(agent)
+
+    def test_after_a_restart_by_tool_call_with_a_conflict_check(self):
+        self.write("a.txt", "one\n")
+        self.fake_model(calls(("EditFile", {"path": "a.txt", "old_string": "one",
+                                            "new_string": "two"})), scripted_reply("done"))
+        agent = self.start()
+        session_id = self.new_session(agent)
+        agent.call("session/set_mode", {"sessionId": session_id, "modeId": "auto-edit"})
+        _, updates, _ = self.prompt(agent, session_id, "edit")
+        call_id = [u for u in updates if u["sessionUpdate"] == "tool_call"][0]["toolCallId"]
+        agent.close()
+        self.write("a.txt", "two\nand the user's own line\n")     # changed since
+        agent = self.start()
+        agent.call("initialize", {"protocolVersion": 1})
+        agent.call("session/load", {"sessionId": session_id, "cwd": self.project,
+                                    "mcpServers": []})
+        for answer, expected, status in ((REJECT, "two\nand the user's own line\n", "failed"),
+                                         (ALLOW, "one\n", "completed")):
+            with self.subTest(answer=answer):
+                _, updates, requests = self.prompt(agent, session_id, f"/undo {call_id}",
+                                                   answer=answer)
+                self.assertEqual(len(requests), 1)
+                shown = requests[0]["params"]["toolCall"]["content"]
+                self.assertIn("has changed since", shown[0]["content"]["text"])
+                self.assertEqual((shown[1]["oldText"], shown[1]["newText"]),
+                                 ("two\nand the user's own line\n", "one\n"))
+                self.assertEqual(self.read("a.txt"), expected)
+                self.assertEqual(list(final_status(updates).values()), [status])
+        self.prompt(agent, session_id, "and now?")
+        self.assertIn("The user reverted a change of yours",
+                      json.dumps(self.model.requests[-1]["messages"]))
+
+
 class TestSlashCommands(AcpTestCase):
     def test_commands_are_announced_with_user_and_project_ones(self):
         os.makedirs(os.path.join(self.home, ".qcr", "commands"))
@@ -1700,7 +1770,7 @@ class TestSlashCommands(AcpTestCase):
         self.new_session(agent)
         commands = {c["name"]: c for c in self.commands["availableCommands"]}
         self.assertEqual(sorted(commands), ["compact", "effort", "explain", "init", "mode",
-                                            "model", "permissions", "review"])
+                                            "model", "permissions", "review", "undo"])
         self.assertEqual(commands["review"], {"name": "review", "description": "Review a file",
                                               "input": {"hint": "<path>"}})
         self.assertEqual(commands["explain"]["description"], "Explain the code")
