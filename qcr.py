@@ -1971,6 +1971,11 @@ class ThinkTags:
     def kind(self) -> str:
         return "agent_thought_chunk" if self.thinking else "agent_message_chunk"
 
+    def flush(self) -> list:
+        """At the reply's end: what was held back (a "<" that began no tag), as it was."""
+        held, self.held = self.held, ""
+        return [(self.kind(), held)] if held else []
+
 
 @dataclass
 class Reply:
@@ -1988,6 +1993,7 @@ class Reply:
     chars: int = 0                    # text and thoughts so far
     dropped: int = 0                  # tool calls past max_calls, not kept
     _slots: dict = field(default_factory=dict)      # stream index -> call (None: dropped)
+    tags: ThinkTags = field(default_factory=ThinkTags)   # <think> in this reply's text
 
     @property
     def text(self) -> str:
@@ -2286,6 +2292,8 @@ class Provider:
                 pass
         finally:
             call.abort()
+        for kind, text in reply.tags.flush():      # a reply ending in "<" keeps it
+            reply.say(kind, text, emit)
         return reply
 
     def consume(self, items: list, reply: Reply, emit: Callable) -> bool:
@@ -2340,10 +2348,6 @@ def random_jitter() -> float:
 class OpenAIProvider(Provider):
     """Chat completions: OpenAI and every server that speaks its API, quirks included."""
 
-    def __init__(self, config: Config, model: str):
-        super().__init__(config, model)
-        self.tags = ThinkTags()
-
     def url(self) -> str:
         return self.config.base_url.rstrip("/") + "/chat/completions"
 
@@ -2392,7 +2396,7 @@ class OpenAIProvider(Provider):
                 reply.say("agent_thought_chunk", thought, emit)
             content = delta.get("content")
             if isinstance(content, str) and content:
-                for kind, text in self.tags.feed(content):
+                for kind, text in reply.tags.feed(content):
                     reply.say(kind, text, emit)
             for tool_delta in delta.get("tool_calls") or []:
                 reply.add_tool_delta(tool_delta)

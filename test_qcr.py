@@ -2154,6 +2154,19 @@ class TestProviderQuirks(AcpTestCase):
         self.assertEqual(text_of(updates, "agent_thought_chunk"), "Let me plan.")
         self.assertEqual(text_of(updates), "The answer is 4.")
 
+    def test_think_state_belongs_to_one_reply(self):
+        """An unclosed <think> does not turn the next reply into thoughts; a reply that
+        ends in "<" keeps it."""
+        def reply(*pieces):
+            return [sse(completion_chunk({"content": p})) for p in pieces] + \
+                [sse(completion_chunk(finish="stop")), sse(b"[DONE]")]
+        self.write("a.txt", "x\n")
+        self.fake_model([sse(completion_chunk({"content": "<think>never closed"}))] +
+                        calls(("ReadFile", {"path": "a.txt"})), reply("Plain answer, 1 <"))
+        agent = self.start()
+        _, updates, _ = self.prompt(agent, self.new_session(agent), "go")
+        self.assertEqual(text_of(updates), "Plain answer, 1 <")
+
     def test_tool_call_shapes_of_real_servers(self):
         self.write("a.txt", "alpha\n")
         ollama = [sse(completion_chunk({"tool_calls": [{"function": {
