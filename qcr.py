@@ -2084,6 +2084,7 @@ def open_url(url: str, data: Optional[bytes] = None, headers: Optional[dict] = N
     secrets = secrets or {}
 
     class Redirects(urllib.request.HTTPRedirectHandler):
+        """urllib's redirects, bounded, with the secrets re-added on the same origin only."""
         max_redirections = redirects
 
         def redirect_request(self, request, fp, code, message, headers, new_url):
@@ -4178,6 +4179,7 @@ def html_to_text(html: str, base: str) -> str:
     from urllib.parse import urljoin
 
     class Reader(HTMLParser):
+        """HTML to readable text: blocks as lines, links kept, scripts and styles dropped."""
         BLOCKS = {"p", "div", "section", "article", "br", "tr", "table", "ul", "ol", "pre",
                   "blockquote", "header", "footer", "main", "nav", "h1", "h2", "h3", "h4",
                   "h5", "h6", "li", "dt", "dd"}
@@ -5211,6 +5213,7 @@ class CompactionShown:
 
 @dataclass
 class Command:
+    """A slash command: a built-in (`run`) or a Markdown prompt template (`template`)."""
     name: str
     description: str
     hint: str = ""                     # shown in the input box; "" = takes no input
@@ -5994,6 +5997,9 @@ def session_mcp_specs(config: Config, cwd: str, from_client: list) -> list:
 
 @dataclass
 class Config:
+    """What the user configured (defaults < config.json < --config < environment) and the
+    problems found reading it -- plus, still, what discovery and the servers' context
+    windows taught qcr (`server_windows`, models found)."""
     provider: str = ""                           # "openai" (any compatible server) or "anthropic"
     base_url: str = ""
     api_key: str = ""
@@ -6298,6 +6304,8 @@ class FakeModel:
         self.seen: list = []     # (path, headers) of each request
 
         class Handler(BaseHTTPRequestHandler):
+            """The scripted model's HTTP side: each POST answered from the script."""
+
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
                 fake.seen.append((self.path, {k.lower(): v for k, v in self.headers.items()}))
