@@ -360,6 +360,39 @@ def without_ids(updates):
     return [{k: v for k, v in u.items() if k != "messageId"} for u in updates]
 
 
+def kill_loop(start, new_session, cwd, home, kills, pause):
+    """Start qcr, open one session (reloaded after the first time), prompt, SIGKILL it
+    after pause() seconds; `kills` times. (tool calls the client saw completed, those the
+    file holds completed, reloads answered)."""
+    session_id, seen, loaded = None, set(), 0
+    for _ in range(kills):
+        agent = start()
+        if session_id is None:
+            session_id = new_session(agent)
+        else:
+            agent.call("initialize", {"protocolVersion": 1})
+            response, _, _ = agent.call("session/load", {"sessionId": session_id, "cwd": cwd,
+                                                         "mcpServers": []})
+            loaded += "result" in response
+        agent.request("session/prompt", {"sessionId": session_id, "prompt": [
+            {"type": "text", "text": "read on"}]})
+        time.sleep(pause())
+        agent.proc.kill()
+        agent.proc.wait()
+        while True:
+            frame = agent.frames.get(timeout=5)
+            if frame is None:
+                break
+            update = frame.get("params", {}).get("update", {})
+            if update.get("sessionUpdate") == "tool_call_update" and \
+                    update.get("status") == "completed":
+                seen.add(update["toolCallId"])
+    saved = read_session_file(os.path.join(home, ".qcr", "sessions", session_id + ".json"))
+    done = {u["toolCallId"] for u in saved["transcript"]
+            if u["sessionUpdate"] == "tool_call" and u.get("status") == "completed"}
+    return seen, done, loaded
+
+
 def read_session_file(path):
     """A session file: a metadata line, then the body line."""
     with open(path, encoding="ascii") as f:
@@ -1286,36 +1319,11 @@ class TestPersistence(AcpTestCase):
         rng = random.Random(seed)
         self.write("a.txt", "x\n")
         self.fake_model(lambda body: [0.01] + calls(("ReadFile", {"path": "a.txt"})))
-        session_id, seen, kills = None, set(), 0
-        for _ in range(12):
-            agent = self.start()
-            if session_id is None:
-                session_id = self.new_session(agent)
-            else:
-                agent.call("initialize", {"protocolVersion": 1})
-                agent.call("session/load", {"sessionId": session_id, "cwd": self.project,
-                                            "mcpServers": []})
-            agent.request("session/prompt", {"sessionId": session_id, "prompt": [
-                {"type": "text", "text": "read on"}]})
-            time.sleep(rng.uniform(0.05, 0.6))
-            agent.proc.kill()
-            agent.proc.wait()
-            kills += 1
-            while True:
-                frame = agent.frames.get(timeout=5)
-                if frame is None:
-                    break
-                update = frame.get("params", {}).get("update", {})
-                if update.get("sessionUpdate") == "tool_call_update" and \
-                        update.get("status") == "completed":
-                    seen.add(update["toolCallId"])
-        saved = read_session_file(os.path.join(self.home, ".qcr", "sessions",
-                                               session_id + ".json"))
-        done = {u["toolCallId"] for u in saved["transcript"]
-                if u["sessionUpdate"] == "tool_call" and u.get("status") == "completed"}
+        seen, done, loaded = kill_loop(self.start, self.new_session, self.project, self.home,
+                                       12, lambda: rng.uniform(0.05, 0.6))
         self.assertGreater(len(seen), 3, f"seed {seed}: too few steps to prove anything")
         self.assertEqual(seen - done, set(), f"seed {seed}: seen completed, lost on disk")
-        self.assertEqual(kills, 12)
+        self.assertEqual(loaded, 11)
 
     def test_two_processes_on_one_session_keep_both_versions(self):
         self.fake_model(scripted_reply("from A"), scripted_reply("from B"))
@@ -5133,35 +5141,10 @@ class Bench:
             f.write("x\n")
         model = qcr.FakeModel(Script(lambda body: [0.01] + calls(("ReadFile",
                                                                   {"path": "a.txt"}))))
-        session_id, seen, kills, loaded = None, set(), 30, 0
-        for _ in range(kills):
-            agent = self.agent(model)
-            if session_id is None:
-                session_id = self.session(agent)
-            else:
-                agent.call("initialize", {"protocolVersion": 1})
-                response, _, _ = agent.call("session/load", {
-                    "sessionId": session_id, "cwd": self.project, "mcpServers": []})
-                loaded += "result" in response
-            agent.call("session/set_mode", {"sessionId": session_id, "modeId": "yolo"})
-            agent.request("session/prompt", {"sessionId": session_id, "prompt": [
-                {"type": "text", "text": "read on"}]})
-            time.sleep(random.uniform(0.05, 0.5))
-            agent.proc.kill()
-            agent.proc.wait()
-            while True:
-                frame = agent.frames.get(timeout=5)
-                if frame is None:
-                    break
-                update = frame.get("params", {}).get("update", {})
-                if update.get("sessionUpdate") == "tool_call_update" and \
-                        update.get("status") == "completed":
-                    seen.add(update["toolCallId"])
+        kills = 30
+        seen, done, loaded = kill_loop(lambda: self.agent(model), self.session, self.project,
+                                       self.home, kills, lambda: random.uniform(0.05, 0.5))
         model.close()
-        saved = read_session_file(os.path.join(self.home, ".qcr", "sessions",
-                                               session_id + ".json"))
-        done = {u["toolCallId"] for u in saved["transcript"]
-                if u["sessionUpdate"] == "tool_call" and u.get("status") == "completed"}
         lost = len(seen - done)
         self.row(f"SIGKILLs survived in a multi-step turn ({len(seen)} steps seen completed)",
                  f"{loaded} of {kills - 1} reloads, {lost} steps lost", "every reload, no step lost",
