@@ -3068,16 +3068,20 @@ class TestHostileModel(AcpTestCase):
         self.assertEqual(qcr.printable("echo hi\rrm -rf /\u202e"),
                          "echo hi\\rrm -rf /\\u202e")
 
-    def test_an_approved_wrapper_does_not_carry_other_programs(self):
-        self.fake_model(calls(("Shell", {"command": "env echo one"})),
-                        calls(("Shell", {"command": "env touch pwned"})),
-                        calls(("Shell", {"command": "echo hi\rtouch pwned2"})),
+    def approve_then_try(self, first, *others):
+        """The user allows `first` "always"; every one of `others` must still ask."""
+        self.fake_model(*[calls(("Shell", {"command": c})) for c in (first,) + others],
                         scripted_reply("ok"))
         agent = self.start()
-        answers = iter([ALLOW_ALWAYS, REJECT, REJECT])
+        answers = iter([ALLOW_ALWAYS] + [REJECT] * len(others))
         _, updates, requests = self.prompt(agent, self.new_session(agent), "go",
                                            answer=lambda frame: next(answers))
-        self.assertEqual(len(requests), 3)
+        self.assertEqual(len(requests), 1 + len(others))
+        return updates, requests
+
+    def test_an_approved_wrapper_does_not_carry_other_programs(self):
+        updates, requests = self.approve_then_try("env echo one", "env touch pwned",
+                                                  "echo hi\rtouch pwned2")
         self.assertIn("Allow this exact command for this session",
                       [o["name"] for o in requests[0]["params"]["options"]])
         self.assertFalse(os.path.exists(os.path.join(self.project, "pwned")))
@@ -3192,16 +3196,9 @@ class TestHostileModel(AcpTestCase):
 
     def test_a_quoted_flag_does_not_stretch_an_approved_scope(self):
         subprocess.run(["git", "init", "-q", self.project], check=True)
-        self.fake_model(calls(("Shell", {"command": "git status"})),
-                        calls(("Shell", {"command": 'git "-c" "core.fsmonitor=touch pwned" '
-                                                    "status"})),
-                        calls(("Shell", {"command": "git config core.fsmonitor 'touch pwned'"})),
-                        scripted_reply("ok"))
-        agent = self.start()
-        answers = iter([ALLOW_ALWAYS, REJECT, REJECT])
-        _, _, requests = self.prompt(agent, self.new_session(agent), "go",
-                                     answer=lambda frame: next(answers))
-        self.assertEqual(len(requests), 3)
+        _, requests = self.approve_then_try(
+            "git status", 'git "-c" "core.fsmonitor=touch pwned" status',
+            "git config core.fsmonitor 'touch pwned'")
         self.assertIn("`git status` commands", json.dumps(requests[0]["params"]["options"]))
         self.assertFalse(os.path.exists(os.path.join(self.project, "pwned")))
 
