@@ -3298,9 +3298,18 @@ def page_file(path: str, offset: int, limit: int, block_size: int = 1 << 20) -> 
     first LINE_CHARS characters are kept."""
     keep = LINE_CHARS * 4                  # bytes: LINE_CHARS characters of UTF-8 at most
     shown, chars, number, line, cut, ended = [], 0, 1, bytearray(), False, True
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(block_size), b""):
+    buffer = bytearray(block_size)         # one buffer, reused: no allocation per block
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            size = f.readinto(buffer)
+            if not size:
+                break
+            block = memoryview(buffer)[:size].tobytes() if size < block_size else buffer
             ended, start = block.endswith(b"\n"), 0
+            before = offset - number
+            if before > 0 and block.count(b"\n") < before:     # the page is further on
+                number += block.count(b"\n")
+                continue
             while start < len(block):
                 if number < offset:                           # before the page: skip lines
                     end = block.find(b"\n", start)
@@ -6700,6 +6709,7 @@ async def serve(config: Config, write: Callable[[bytes], None], trace: Any) -> N
     """The agent on stdin/stdout until EOF -- or SIGTERM or SIGHUP, which end it the same
     way: running turns cancelled and answered, children stopped, sessions saved, exit 0."""
     import signal
+    sys.setswitchinterval(0.001)   # a thread's work holds the loop up ~1 ms at a time, not 5
     agent = Agent(config)
     agent.conn = Connection(write, agent.on_request, agent.on_notification, trace)
     agent.conn.on_cancel = agent.cancel_request

@@ -2421,6 +2421,22 @@ class TestTools(AcpTestCase):
             "path": "new/b.txt", "old_string": "", "new_string": "fresh\n"})
         self.assertEqual((status, self.read("new/b.txt")), ("completed", "fresh\n"))
 
+    def test_a_file_too_large_to_hold_is_paged_in_bounded_memory(self):
+        """A 96 MiB log of one line: ReadFile shows its head, and qcr's memory stays far
+        below the file's size (it is read in blocks, never whole)."""
+        with open(os.path.join(self.project, "huge.log"), "wb") as f:
+            for _ in range(96):
+                f.write(b"y" * (1 << 20))
+        self.fake_model(calls(("ReadFile", {"path": "huge.log"})), scripted_reply("ok"))
+        agent = self.start()
+        self.prompt(agent, self.new_session(agent), "read it", timeout=60)
+        with open(f"/proc/{agent.proc.pid}/status") as f:
+            peak = [int(line.split()[1]) for line in f if line.startswith("VmHWM")][0] // 1024
+        result = self.tool_messages(1)[0]
+        self.assertTrue(result.startswith("     1\t" + "y" * 100), result[:40])
+        self.assertIn("[line cut]", result)
+        self.assertLess(peak, 80, "MiB at peak")
+
     def test_write_delete_and_move(self):
         status, result, updates, _ = self.run_tool("WriteFile", {"path": "d/n.txt",
                                                                  "content": "hi\n"})
