@@ -3732,13 +3732,18 @@ async def grep(ctx: ToolContext, pattern: str, path: str = ".", glob: Optional[s
 
 
 async def run_search(request: dict) -> list:
-    """Run search_files in a child process (`qcr.py --search-worker`).
+    """Search with ripgrep when it is installed; else -- or when ripgrep cannot take the
+    pattern (Python's lookarounds and backreferences) -- with search_files in a child
+    process (`qcr.py --search-worker`).
 
     Python's re holds the GIL: in a thread, a catastrophic pattern such as (a+)+$ would
     freeze the whole agent, cancel included. A child can be killed -- by the timeout, or
     by cancel, which lands on the await below.
     """
     import subprocess
+    hits = await run_ripgrep(request)
+    if hits is not None:
+        return hits
     proc = await start_process(
         sys.executable, "-I", "-S", os.path.abspath(__file__), "--search-worker",
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
@@ -3754,6 +3759,48 @@ async def run_search(request: dict) -> list:
         return [tuple(hit) for hit in loads(out)["hits"]]
     except (ValueError, KeyError, TypeError):
         raise ToolError("the search failed") from None
+
+
+async def run_ripgrep(request: dict) -> Optional[list]:
+    """The search as ripgrep does it -- the same files (hidden ones too, not .git, not what
+    .gitignore ignores, no links followed, none over SEARCH_FILE_BYTES, no binary ones), each
+    still cleared by searchable(); None when there is no rg, or it rejects the pattern."""
+    import shutil
+    import subprocess
+    rg = shutil.which("rg")
+    if rg is None:
+        return None
+    argv = [rg, "--no-config", "--no-follow", "--hidden", "--no-require-git", "--glob", "!.git",
+            "--null", "--line-number", "--with-filename", "--no-heading", "--color", "never",
+            "--sort", "path", "--max-filesize", str(SEARCH_FILE_BYTES), "--max-columns", "0"]
+    if request["ignoreCase"]:
+        argv.append("--ignore-case")
+    if request["glob"]:
+        argv += ["--glob", request["glob"]]
+    argv += ["--regexp", request["pattern"], "--", request["root"]]
+    proc = await start_process(*argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL, env=git_env(), limit=1 << 24)
+    hits, folders = [], {}
+    try:
+        async def read() -> None:
+            async for raw in proc.stdout:
+                path, _, rest = raw.rstrip(b"\n").partition(b"\0")
+                number, _, text = rest.partition(b":")
+                name = os.fsdecode(path)
+                if number.isdigit() and searchable(name, request["roots"], folders):
+                    hits.append((name, int(number), text.decode("utf-8", "replace")
+                                 .rstrip("\r")[:LINE_CHARS]))
+                    if len(hits) >= request["limit"]:
+                        return
+        await asyncio.wait_for(read(), SEARCH_TIMEOUT)
+        if len(hits) < request["limit"]:
+            await asyncio.wait_for(proc.wait(), 5)
+    except asyncio.TimeoutError:
+        raise ToolError(f"the search ran over {SEARCH_TIMEOUT}s and was stopped; search a "
+                        "smaller path or use a simpler pattern") from None
+    finally:
+        stop_group(proc.pid)
+    return None if proc.returncode == 2 and not hits else hits
 
 
 def search_worker() -> int:
@@ -3775,8 +3822,8 @@ def search_files(root: str, rx: re.Pattern, pattern: Optional[str], limit: int,
         match = glob_matcher(pattern) if pattern else None
         paths = [os.path.join(root, f) for f in walk_files(root) if not match or match(f)]
     hits, folders = [], {}
-    for path in paths:
-        if not searchable(path, roots, folders):
+    for path in paths:      # links are not searched (nor by ripgrep): their files are
+        if os.path.islink(path) or not searchable(path, roots, folders):
             continue
         try:
             if os.path.getsize(path) > SEARCH_FILE_BYTES:
