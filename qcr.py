@@ -35,7 +35,7 @@ Security: qcr runs shell commands and changes files when the model asks. In the
 One policy decides every call, from the effects each tool declares (section 5, "The
 permission policy"). qcr itself executes only: bash for approved Shell commands, approved or
 user-configured MCP servers, `git ls-files` with every program-running setting overridden,
-and itself (`--search-worker`) for Grep.
+and, for Grep, ripgrep (`rg --no-config`) when installed or else itself (`--search-worker`).
 """
 from __future__ import annotations
 
