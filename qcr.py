@@ -3772,7 +3772,7 @@ async def run_ripgrep(request: dict) -> Optional[list]:
         return None
     argv = [rg, "--no-config", "--no-follow", "--hidden", "--no-require-git", "--glob", "!.git",
             "--null", "--line-number", "--with-filename", "--no-heading", "--color", "never",
-            "--sort", "path", "--max-filesize", str(SEARCH_FILE_BYTES), "--max-columns", "0"]
+            "--max-filesize", str(SEARCH_FILE_BYTES), "--max-columns", "0"]
     if request["ignoreCase"]:
         argv.append("--ignore-case")
     if request["glob"]:
@@ -3800,7 +3800,8 @@ async def run_ripgrep(request: dict) -> Optional[list]:
                         "smaller path or use a simpler pattern") from None
     finally:
         stop_group(proc.pid)
-    return None if proc.returncode == 2 and not hits else hits
+    # rg searches in parallel: its hits come in any order (and past the limit, any of them)
+    return None if proc.returncode == 2 and not hits else sorted(hits)
 
 
 def search_worker() -> int:
