@@ -5416,27 +5416,32 @@ async def undo_change(agent: Agent, session: Session, change: dict) -> None:
                      {"undo": change["id"]}, "undo")
     agent.update(session, card)
     ctx = ToolContext(agent, session, card_id, None, card)
+
+    async def confirm(why: str, shown: dict) -> None:
+        choice = await ctx.choose([text_content(why), shown],
+                                  [("allow_once", "Undo anyway", "allow_once"),
+                                   ("reject_once", "Keep it as it is", "reject_once")])
+        if choice != "allow_once":
+            raise ToolError("kept as it is")
     try:
         if source:
             if os.path.lexists(source) or not os.path.lexists(path):
                 raise ToolError(f"cannot move {path} back: {source} exists, or {path} is gone")
-            ctx.on_path("write", source)
-            ctx.on_path("delete", path)
-            await asyncio.to_thread(move_path, ctx.real(path), ctx.real(source))
             shown = text_content(f"Moved {path} back to {source}")
+            ctx.on_path("delete", path)
+            need = ctx.on_path("write", source)
+            if need[0] != "write":        # it leads elsewhere now: the user says so again
+                await confirm(f"Undoing this means {need[2]}:", shown)
+            await asyncio.to_thread(move_path, ctx.real(path), ctx.real(source))
         else:
-            ctx.on_path("write", path)
+            need = ctx.on_path("write", path)
             now = await ctx.read(path, remember=False)
-            shown = diff_content(path, now, change["before"] or "") if now is not None else \
-                diff_content(path, None, change["before"] or "")
+            shown = diff_content(path, now, change["before"] or "")
             if now != change["after"]:
-                choice = await ctx.choose([text_content(f"{path} has changed since that "
-                                                        "change; undoing it replaces what is "
-                                                        "there now:"), shown],
-                                          [("allow_once", "Undo anyway", "allow_once"),
-                                           ("reject_once", "Keep the file", "reject_once")])
-                if choice != "allow_once":
-                    raise ToolError("kept as it is: the file changed since")
+                await confirm(f"{path} has changed since that change; undoing it replaces "
+                              "what is there now:", shown)
+            elif need[0] != "write":      # outside the project now, or guarded: ask
+                await confirm(f"Undoing this means {need[2]}:", shown)
             if change["before"] is None:
                 if now is not None:
                     await asyncio.to_thread(os.remove, ctx.real(path))

@@ -1733,6 +1733,27 @@ class TestUndo(AcpTestCase):
         self.assertEqual(text_of(updates), "Nothing to undo.")
         self.assertClean(agent)
 
+    def test_an_undo_that_now_leads_outside_asks(self):
+        """The folder of a change swapped for a link out of the project since: undoing it
+        would write there, so the user is asked again."""
+        self.fake_model(calls(("WriteFile", {"path": "sub/f.txt", "content": "new\n"})),
+                        scripted_reply("done"))
+        agent = self.start()
+        session_id = self.new_session(agent)
+        agent.call("session/set_mode", {"sessionId": session_id, "modeId": "yolo"})
+        self.prompt(agent, session_id, "write")
+        outside = os.path.join(self.tmp, "elsewhere")
+        os.makedirs(outside)
+        with open(os.path.join(outside, "f.txt"), "w") as f:
+            f.write("new\n")                      # what the change left, so no conflict
+        shutil.rmtree(os.path.join(self.project, "sub"))
+        os.symlink(outside, os.path.join(self.project, "sub"))
+        _, updates, requests = self.prompt(agent, session_id, "/undo", answer=REJECT)
+        self.assertEqual(len(requests), 1)
+        self.assertIn(outside, json.dumps(requests[0]["params"]["toolCall"]["content"]))
+        self.assertTrue(os.path.exists(os.path.join(outside, "f.txt")))
+        self.assertEqual(list(final_status(updates).values()), ["failed"])
+
     def test_after_a_restart_by_tool_call_with_a_conflict_check(self):
         self.write("a.txt", "one\n")
         self.fake_model(calls(("EditFile", {"path": "a.txt", "old_string": "one",
