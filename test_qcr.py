@@ -5219,12 +5219,53 @@ class Bench:
         self.row("  of which on the event loop (the snapshot)",
                  f"{median(on_loop) * 1000:.2f} ms", "the rest off the loop", True)
 
+    def long_session(self):
+        """A session of 2,000 messages against one of 20, in the same run: a turn's cost (a
+        model that answers at once), the save, and the replay of session/load."""
+        store = qcr.SessionStore(os.path.join(self.home, ".qcr", "sessions"))
+        measured = {}
+        for count in (20, 2000):
+            session = qcr.Session(id=f"acp-{count:016x}-{'c' * 16}", cwd=self.project,
+                                  model="bench", title="long")
+            for i in range(count // 2):
+                session.messages.append({"role": "user", "content": f"question {i} " * 20})
+                session.messages.append({"role": "assistant", "content": f"answer {i} " * 40})
+                session.record(qcr.message_chunk("user_message_chunk", f"question {i} " * 20))
+                session.record(qcr.message_chunk("agent_message_chunk", f"answer {i} " * 40))
+            saves = []
+            for _ in range(5):
+                start = time.perf_counter()
+                store._write(store.path(session.id), session.to_json())
+                saves.append(time.perf_counter() - start)
+            model = qcr.FakeModel(Script(scripted_reply("ok")))
+            agent = self.agent(model, env={"QCR_CONTEXT_WINDOW": "10000000"})
+            agent.call("initialize", {"protocolVersion": 1})
+            start = time.perf_counter()
+            agent.call("session/load", {"sessionId": session.id, "cwd": self.project,
+                                        "mcpServers": []}, timeout=60)
+            load = time.perf_counter() - start
+            turns = []
+            for _ in range(5):
+                start = time.perf_counter()
+                agent.call("session/prompt", {"sessionId": session.id, "prompt": [
+                    {"type": "text", "text": "go on"}]}, timeout=60)
+                turns.append(time.perf_counter() - start)
+            agent.close()
+            model.close()
+            measured[count] = (median(turns), median(saves), load)
+        for i, what in enumerate(("a turn (one model call that answers at once)",
+                                  "a save", "session/load, replay included")):
+            small, large = measured[20][i], measured[2000][i]
+            self.row(f"2,000-message session: {what}", f"{large * 1000:.1f} ms",
+                     f"<= 2 x a 20-message one ({small * 1000:.1f} ms)", large <= 2 * small,
+                     large / (2 * small))
+
     def run(self):
         sys.stdout.write(f"qcr {qcr.__version__} benchmark, Python {sys.version.split()[0]}, "
                          f"{os.cpu_count()} cores\n")
         try:
             for part in (self.startup, self.rss, self.relay, self.cancel, self.flood,
-                         self.search, self.stall, self.kills, self.save):
+                         self.search, self.stall, self.kills, self.save, self.long_session):
                 try:
                     part()
                 except Exception as e:     # one broken measurement does not hide the others
