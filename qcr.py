@@ -1259,6 +1259,17 @@ class Agent:
             raise RpcError.invalid_params(field_name, "must be one of " + ", ".join(
                 ["default"] + levels) if levels else f"{session.model} takes no effort level")
         session.effort = "" if value == "default" else value
+        self.options_changed(session)
+
+    def set_auto_compact(self, session: Session, value: Any, field_name: str) -> None:
+        value = {"on": True, "off": False}.get(value, value)    # (the select's form)
+        if not isinstance(value, bool):
+            raise RpcError.invalid_params(field_name, "must be true or false (on or off)")
+        session.auto_compact = value
+        self.options_changed(session)
+
+    def options_changed(self, session: Session) -> None:
+        """Show the session's options as they are now, and keep them."""
         self.update(session, config_option_update(self.config_options(session)))
         self.save(session)
 
@@ -1268,16 +1279,14 @@ class Agent:
         session.mode = mode_id
         # Keep both views of the mode in sync, whichever one the client uses.
         self.update(session, current_mode_update(mode_id))
-        self.update(session, config_option_update(self.config_options(session)))
-        self.save(session)
+        self.options_changed(session)
 
     def set_model(self, session: Session, model: Any, field_name: str) -> None:
         if model not in self.models(session):
             raise RpcError.invalid_params(
                 field_name, f"must be one of {', '.join(self.models(session))}")
         session.model = "" if model == NO_MODEL else model
-        self.update(session, config_option_update(self.config_options(session)))
-        self.save(session)
+        self.options_changed(session)
 
     @rpc("session/set_mode")
     async def session_set_mode(self, params: dict) -> dict:
@@ -1294,13 +1303,7 @@ class Agent:
         elif config_id == "thought_level":
             self.set_effort(session, params.get("value"), "value")
         elif config_id == "auto_compact":
-            value = params.get("value")
-            value = {"on": True, "off": False}.get(value, value)
-            if not isinstance(value, bool):
-                raise RpcError.invalid_params("value", "must be true or false (on or off)")
-            session.auto_compact = value
-            self.update(session, config_option_update(self.config_options(session)))
-            self.save(session)
+            self.set_auto_compact(session, params.get("value"), "value")
         else:
             raise RpcError.invalid_params("configId", "must be one of mode, model, "
                                                       "thought_level, auto_compact")
